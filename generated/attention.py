@@ -24,31 +24,31 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "897608f4cd8605c7379ac727"
+    STAMP = "ac24dc51750335cb6a1cd618"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
         "@V_W_V' X'": 2,
         '@t_14 X': 2,
         "@t_14' X": 2,
-        '@t_18 X': 2,
-        "@t_18' X": 2,
-        '@t_23 X': 2,
-        '@t_27 X': 2,
-        "@t_27' X": 2,
+        '@t_20 X': 2,
+        "@t_20' X": 2,
+        '@t_26 X': 2,
+        '@t_30 X': 2,
+        "@t_30' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
         "X' @t_14 X": 2,
-        "X' @t_18 X": 2,
-        "X' @t_27 X": 2,
+        "X' @t_20 X": 2,
+        "X' @t_30 X": 2,
         "X' t_11": 4,
         "X' t_11 X": 4,
         "X' t_11'": 4,
-        "X' t_28": 2,
-        "X' t_28 X": 2,
-        "X' t_28'": 2,
+        "X' t_31": 2,
+        "X' t_31 X": 2,
+        "X' t_31'": 2,
     }
 
     @leaf
@@ -132,12 +132,12 @@ class mse_causal0(Forward):
         return (2/(s.L*s.d_V)) * s.t_9
 
     @leaf
-    def t_21(s):
+    def t_24(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_28(s):
-        return softmax_diff(s.A, s.t_21)
+    def t_31(s):
+        return softmax_diff(s.A, s.t_24)
 
     @leaf
     def dA(s):
@@ -270,36 +270,39 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_12 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_12), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X)))
+        t_14 = softmax_diff(s.A, (2/(s.L*s.d_V)) * s.mm("@t_13 W_V' X'", t_13, tr(s.W_V), tr(s.X)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_14 X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_14' X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
-        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13, mean=True)
+        t_15 = (2/(s.L*s.d_V)) * t_13
+        out_W_V = s.mm("X' A' @t_15", tr(s.X), tr(s.A), t_15, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_15, s.t_10)
-        t_17 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_18 = (t_16 + t_17)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_18 X W_K", tr(s.X), t_18, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X @V_W_K", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_18' X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X @V_W_Q", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
-        t_19 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
-        out_W_V = s.mm("X' @t_19' G_2", tr(s.X), tr(t_19), s.G_2, mean=True)
+        t_16 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_17 = (1/math.sqrt(s.d_K)) * t_16
+        t_18 = softmax_diff2(s.A, t_17, s.t_10)
+        t_19 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_20 = (t_18 + t_19)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_20 X W_K", tr(s.X), t_20, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X @V_W_K", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_20' X W_Q", tr(s.X), tr(t_20), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X @V_W_Q", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_21 = softmax_diff(s.A, t_17)
+        out_W_V = s.mm("X' @t_21' G_2", tr(s.X), tr(t_21), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_21)
-        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_24 = lin((1, s.prod('@t_23 X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_25 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
-        t_26 = softmax_diff(s.A, t_25)
-        t_27 = (t_22 + t_26)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27 X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_28 X @V_W_K", tr(s.X), s.t_28, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27' X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_28' X @V_W_Q", tr(s.X), tr(s.t_28), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_23' G_3", tr(s.X), tr(t_23), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24), mean=True)
+        t_22 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_23 = (1/math.sqrt(s.d_K)) * t_22
+        t_25 = softmax_diff2(s.A, t_23, s.t_24)
+        t_26 = softmax_diff(s.A, t_23)
+        t_27 = lin((1, s.prod('@t_26 X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_28 = s.mm_sum('r', ((2/(s.L*s.d_V)), "@t_27 W_V' X'", t_27, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_25 + t_29)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30 X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_31 X @V_W_K", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30' X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_31' X @V_W_Q", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_26' G_3", tr(s.X), tr(t_26), s.G_3), ((2/(s.L*s.d_V)), "X' A' @t_27", tr(s.X), tr(s.A), t_27), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -307,31 +310,31 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "9475634db9b80bb3aef67069"
+    STAMP = "6851caceec11dec72fc82f81"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
         "@V_W_V' X'": 2,
         '@t_14 X': 2,
         "@t_14' X": 2,
-        '@t_18 X': 2,
-        "@t_18' X": 2,
-        '@t_23 X': 2,
-        '@t_27 X': 2,
-        "@t_27' X": 2,
+        '@t_20 X': 2,
+        "@t_20' X": 2,
+        '@t_26 X': 2,
+        '@t_30 X': 2,
+        "@t_30' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
         "X' @t_14 X": 2,
-        "X' @t_18 X": 2,
-        "X' @t_27 X": 2,
+        "X' @t_20 X": 2,
+        "X' @t_30 X": 2,
         "X' t_11": 4,
         "X' t_11 X": 4,
         "X' t_11'": 4,
-        "X' t_28": 2,
-        "X' t_28 X": 2,
-        "X' t_28'": 2,
+        "X' t_31": 2,
+        "X' t_31 X": 2,
+        "X' t_31'": 2,
     }
 
     @leaf
@@ -415,12 +418,12 @@ class mse_causal1(Forward):
         return (2/(s.L*s.d_V)) * s.t_9
 
     @leaf
-    def t_21(s):
+    def t_24(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_28(s):
-        return softmax_diff(s.A, s.t_21)
+    def t_31(s):
+        return softmax_diff(s.A, s.t_24)
 
     @leaf
     def dA(s):
@@ -553,36 +556,39 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_12 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_12), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X)))
+        t_14 = softmax_diff(s.A, (2/(s.L*s.d_V)) * s.mm("@t_13 W_V' X'", t_13, tr(s.W_V), tr(s.X)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_14 X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_14' X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
-        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13, mean=True)
+        t_15 = (2/(s.L*s.d_V)) * t_13
+        out_W_V = s.mm("X' A' @t_15", tr(s.X), tr(s.A), t_15, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_15, s.t_10)
-        t_17 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_18 = (t_16 + t_17)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_18 X W_K", tr(s.X), t_18, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X @V_W_K", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_18' X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X @V_W_Q", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
-        t_19 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
-        out_W_V = s.mm("X' @t_19' G_2", tr(s.X), tr(t_19), s.G_2, mean=True)
+        t_16 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_17 = (1/math.sqrt(s.d_K)) * t_16
+        t_18 = softmax_diff2(s.A, t_17, s.t_10)
+        t_19 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_20 = (t_18 + t_19)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_20 X W_K", tr(s.X), t_20, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X @V_W_K", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_20' X W_Q", tr(s.X), tr(t_20), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X @V_W_Q", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_21 = softmax_diff(s.A, t_17)
+        out_W_V = s.mm("X' @t_21' G_2", tr(s.X), tr(t_21), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_21)
-        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_24 = lin((1, s.prod('@t_23 X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_25 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
-        t_26 = softmax_diff(s.A, t_25)
-        t_27 = (t_22 + t_26)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27 X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_28 X @V_W_K", tr(s.X), s.t_28, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27' X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_28' X @V_W_Q", tr(s.X), tr(s.t_28), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_23' G_3", tr(s.X), tr(t_23), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24), mean=True)
+        t_22 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_23 = (1/math.sqrt(s.d_K)) * t_22
+        t_25 = softmax_diff2(s.A, t_23, s.t_24)
+        t_26 = softmax_diff(s.A, t_23)
+        t_27 = lin((1, s.prod('@t_26 X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_28 = s.mm_sum('r', ((2/(s.L*s.d_V)), "@t_27 W_V' X'", t_27, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_25 + t_29)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30 X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_31 X @V_W_K", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30' X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_31' X @V_W_Q", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_26' G_3", tr(s.X), tr(t_26), s.G_3), ((2/(s.L*s.d_V)), "X' A' @t_27", tr(s.X), tr(s.A), t_27), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -590,31 +596,31 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a244bc74c4750d63e3b3ee17"
+    STAMP = "40c8ab3ef7c10ab37a7c94b2"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
         "@V_W_V' X'": 2,
         '@t_18 X': 2,
         "@t_18' X": 2,
-        '@t_22 X': 2,
-        "@t_22' X": 2,
-        '@t_27 X': 2,
-        '@t_32 X': 2,
-        "@t_32' X": 2,
+        '@t_23 X': 2,
+        "@t_23' X": 2,
+        '@t_29 X': 2,
+        '@t_34 X': 2,
+        "@t_34' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
         "X' @t_18 X": 2,
-        "X' @t_22 X": 2,
-        "X' @t_32 X": 2,
+        "X' @t_23 X": 2,
+        "X' @t_34 X": 2,
         "X' t_13": 4,
         "X' t_13 X": 4,
         "X' t_13'": 4,
-        "X' t_33": 2,
-        "X' t_33 X": 2,
-        "X' t_33'": 2,
+        "X' t_35": 2,
+        "X' t_35 X": 2,
+        "X' t_35'": 2,
     }
 
     @leaf
@@ -714,12 +720,12 @@ class ce_causal0(Forward):
         return (1/s.L) * s.t_11
 
     @leaf
-    def t_25(s):
+    def t_27(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_33(s):
-        return softmax_diff(s.A, s.t_25)
+    def t_35(s):
+        return softmax_diff(s.A, s.t_27)
 
     @leaf
     def dA(s):
@@ -870,28 +876,30 @@ class ce_causal0(Forward):
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_19 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_19, s.t_12)
-        t_21 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_22 = (t_20 + t_21)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22 X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X @V_W_K", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22' X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X @V_W_Q", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
-        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
-        out_W_V = s.mm("X' @t_23' G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
+        t_20 = (1/math.sqrt(s.d_K)) * t_19
+        t_21 = softmax_diff2(s.A, t_20, s.t_12)
+        t_22 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_23 = (t_21 + t_22)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_23 X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X @V_W_K", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_23' X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X @V_W_Q", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        t_24 = softmax_diff(s.A, t_20)
+        out_W_V = s.mm("X' @t_24' G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_25)
-        t_27 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        t_28 = lin((1, s.prod('@t_27 X W_V', t_27, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_29 = (s.t * softmax_diff(s.t_9, t_28))
-        t_30 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_29 W_V' X'", t_29, tr(s.W_V), tr(s.X)))
-        t_31 = softmax_diff(s.A, t_30)
-        t_32 = (t_26 + t_31)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_32 X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_33 X @V_W_K", tr(s.X), s.t_33, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_32' X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_33' X @V_W_Q", tr(s.X), tr(s.t_33), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_27' G_3", tr(s.X), tr(t_27), s.G_3), ((1/s.L), "X' A' @t_29", tr(s.X), tr(s.A), t_29), mean=True)
+        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = (1/math.sqrt(s.d_K)) * t_25
+        t_28 = softmax_diff2(s.A, t_26, s.t_27)
+        t_29 = softmax_diff(s.A, t_26)
+        t_30 = lin((1, s.prod('@t_29 X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_31 = (s.t * softmax_diff(s.t_9, t_30))
+        t_32 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_31 W_V' X'", t_31, tr(s.W_V), tr(s.X)))
+        t_33 = softmax_diff(s.A, t_32)
+        t_34 = (t_28 + t_33)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_34 X W_K", tr(s.X), t_34, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_35 X @V_W_K", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_34' X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_35' X @V_W_Q", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_29' G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' @t_31", tr(s.X), tr(s.A), t_31), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -899,31 +907,31 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a2687c8f7f5dc54dd1e57b93"
+    STAMP = "cfbfdb5ce5a9c8fe052b8002"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
         "@V_W_V' X'": 2,
         '@t_18 X': 2,
         "@t_18' X": 2,
-        '@t_22 X': 2,
-        "@t_22' X": 2,
-        '@t_27 X': 2,
-        '@t_32 X': 2,
-        "@t_32' X": 2,
+        '@t_23 X': 2,
+        "@t_23' X": 2,
+        '@t_29 X': 2,
+        '@t_34 X': 2,
+        "@t_34' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
         "X' @t_18 X": 2,
-        "X' @t_22 X": 2,
-        "X' @t_32 X": 2,
+        "X' @t_23 X": 2,
+        "X' @t_34 X": 2,
         "X' t_13": 4,
         "X' t_13 X": 4,
         "X' t_13'": 4,
-        "X' t_33": 2,
-        "X' t_33 X": 2,
-        "X' t_33'": 2,
+        "X' t_35": 2,
+        "X' t_35 X": 2,
+        "X' t_35'": 2,
     }
 
     @leaf
@@ -1023,12 +1031,12 @@ class ce_causal1(Forward):
         return (1/s.L) * s.t_11
 
     @leaf
-    def t_25(s):
+    def t_27(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_33(s):
-        return softmax_diff(s.A, s.t_25)
+    def t_35(s):
+        return softmax_diff(s.A, s.t_27)
 
     @leaf
     def dA(s):
@@ -1179,28 +1187,30 @@ class ce_causal1(Forward):
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_19 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_19, s.t_12)
-        t_21 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_22 = (t_20 + t_21)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22 X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X @V_W_K", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22' X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X @V_W_Q", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
-        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
-        out_W_V = s.mm("X' @t_23' G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
+        t_20 = (1/math.sqrt(s.d_K)) * t_19
+        t_21 = softmax_diff2(s.A, t_20, s.t_12)
+        t_22 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_23 = (t_21 + t_22)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_23 X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X @V_W_K", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_23' X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X @V_W_Q", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        t_24 = softmax_diff(s.A, t_20)
+        out_W_V = s.mm("X' @t_24' G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_25)
-        t_27 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        t_28 = lin((1, s.prod('@t_27 X W_V', t_27, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_29 = (s.t * softmax_diff(s.t_9, t_28))
-        t_30 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_29 W_V' X'", t_29, tr(s.W_V), tr(s.X)))
-        t_31 = softmax_diff(s.A, t_30)
-        t_32 = (t_26 + t_31)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_32 X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_33 X @V_W_K", tr(s.X), s.t_33, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_32' X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_33' X @V_W_Q", tr(s.X), tr(s.t_33), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_27' G_3", tr(s.X), tr(t_27), s.G_3), ((1/s.L), "X' A' @t_29", tr(s.X), tr(s.A), t_29), mean=True)
+        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = (1/math.sqrt(s.d_K)) * t_25
+        t_28 = softmax_diff2(s.A, t_26, s.t_27)
+        t_29 = softmax_diff(s.A, t_26)
+        t_30 = lin((1, s.prod('@t_29 X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_31 = (s.t * softmax_diff(s.t_9, t_30))
+        t_32 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_31 W_V' X'", t_31, tr(s.W_V), tr(s.X)))
+        t_33 = softmax_diff(s.A, t_32)
+        t_34 = (t_28 + t_33)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_34 X W_K", tr(s.X), t_34, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_35 X @V_W_K", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_34' X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_35' X @V_W_Q", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_29' G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' @t_31", tr(s.X), tr(s.A), t_31), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1210,4 +1220,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "ee43795bc945e698624edddf"
+CHECKSUM = "3037726985ca9413c25e524d"

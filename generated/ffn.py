@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "6466c6ae4b3f13944d0240fc"
+    STAMP = "e216c9ef1f3b6a6ba534ef04"
 
     @leaf
     def H(s):
@@ -131,8 +131,9 @@ class mse_bias0_residual0(Forward):
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_11 = lin((1, s.prod('t_3 @V_W_2', s.t_3, V_W_2)), (1, s.prod('_ W_2', (s.t * s.mm('X @V_W_1', s.X, V_W_1)), s.W_2)))
-        out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_11, tr(s.W_2))), mean=True)
-        out_W_2 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_11, mean=True)
+        out_W_1 = s.mm("X' _", tr(s.X), (s.t * (2/(s.L*s.d_V)) * s.mm("@t_11 W_2'", t_11, tr(s.W_2))), mean=True)
+        t_12 = (2/(s.L*s.d_V)) * t_11
+        out_W_2 = s.mm("t_3' @t_12", tr(s.t_3), t_12, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_1, V_W_2):
@@ -143,11 +144,12 @@ class mse_bias0_residual0(Forward):
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = (s.t * s.mm('X @V_W_1', s.X, V_W_1))
-        t_13 = lin((1, s.prod('t_3 @V_W_2', s.t_3, V_W_2)), (1, s.prod('@t_12 W_2', t_12, s.W_2)))
-        t_14 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_13, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
-        out_W_1 = s.mm("X' _", tr(s.X), (t_14 * s.t), mean=True)
-        out_W_2 = (s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_13, mean=True) + s.mm("@t_12' G", tr(t_12), s.G, mean=True))
+        t_13 = (s.t * s.mm('X @V_W_1', s.X, V_W_1))
+        t_14 = lin((1, s.prod('t_3 @V_W_2', s.t_3, V_W_2)), (1, s.prod('@t_13 W_2', t_13, s.W_2)))
+        t_15 = lin((2/(s.L*s.d_V), s.prod("@t_14 W_2'", t_14, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
+        out_W_1 = s.mm("X' _", tr(s.X), (t_15 * s.t), mean=True)
+        t_16 = (2/(s.L*s.d_V)) * t_14
+        out_W_2 = (s.mm("t_3' @t_16", tr(s.t_3), t_16, mean=True) + s.mm("@t_13' G", tr(t_13), s.G, mean=True))
         return (out_W_1, out_W_2,)
 
 
@@ -155,7 +157,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "b7495166073f7ee751af9785"
+    STAMP = "326822cf6995be27c6316df4"
 
     @leaf
     def H(s):
@@ -308,4 +310,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "b923e06bb98606040c1427a9"
+CHECKSUM = "270badb26def5ba190db0246"

@@ -24,7 +24,7 @@ class mse(Forward):
     """loss=mse, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "57fa1e7742d8d9cb9dc107c9"
+    STAMP = "3ac7d8a96c6f23df8d8f59da"
 
     @leaf
     def one(s):
@@ -123,23 +123,23 @@ class mse(Forward):
         return s.mm('t_16 one', s.t_16, s.one)
 
     @leaf
-    def t_25(s):
+    def t_26(s):
         return mul(s.t_3, (4/(s.L*s.d_V**2)) * s.t_5, s.M_Z)
 
     @leaf
-    def t_26(s):
-        return s.mm('t_25 one', s.t_25, s.one)
-
-    @leaf
-    def t_30(s):
-        return (s.t_3 * s.G)
+    def t_27(s):
+        return s.mm('t_26 one', s.t_26, s.one)
 
     @leaf
     def t_31(s):
-        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_5)
+        return (s.t_3 * s.G)
 
     @leaf
     def t_32(s):
+        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_5)
+
+    @leaf
+    def t_33(s):
         return mul(s.t_7, (4/(s.L*s.d_V**2)) * s.t_5, s.M_Z)
 
     @leaf
@@ -232,28 +232,30 @@ class mse(Forward):
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_18 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
-        t_19 = lin((1, s.P_Z, (-1/s.d_V) * t_18), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_18 * s.M_Z), s.one), s.t_4))
-        t_20 = lin((1, s.P_Z, (2/(s.L*s.d_V)) * t_19), (2/s.d_V, s.mm('_ one', (s.t_4 * (2/(s.L*s.d_V)) * t_19), s.one), s.M_Z))
-        out_X = lin((1, t_20), (1, s.mm('_ one', (-1/s.d_V) * t_20, s.one)))
+        t_19 = lin((-1/s.d_V, s.P_Z, t_18), (2/s.d_V, (-1/s.d_V) * s.mm('_ one', (t_18 * s.M_Z), s.one), s.t_4))
+        t_20 = lin((2/(s.L*s.d_V), s.P_Z, t_19), (2/s.d_V, (2/(s.L*s.d_V)) * s.mm('_ one', (s.t_4 * t_19), s.one), s.M_Z))
+        out_X = lin((1, t_20), (1, (-1/s.d_V) * s.mm('@t_20 one', t_20, s.one)))
         return (out_X,)
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_21 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
-        t_22 = s.mm('_ one', ((-1/s.d_V) * t_21 * s.M_Z), s.one)
-        t_23 = s.mm('_ one', lin((1, s.t_6, (-1/s.d_V) * t_21), (2/s.d_V, t_22, s.t_8)), s.one)
-        t_24 = lin((1, s.t_10, (-1/s.d_V) * t_21), (1, t_22, s.t_6), (1, t_23, s.M_Z))
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_24, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_24, s.one), True), s.d_V)))
+        t_22 = (-1/s.d_V) * s.mm('_ one', (t_21 * s.M_Z), s.one)
+        t_23 = s.mm('_ one', lin((-1/s.d_V, s.t_6, t_21), (2/s.d_V, t_22, s.t_8)), s.one)
+        t_24 = lin((-1/s.d_V, s.t_10, t_21), (1, t_22, s.t_6), (1, t_23, s.M_Z))
+        t_25 = (-2/s.d_V**2) * t_24
+        out_X = lin((-s.d_V, mean0(t_25, True)), (1, bcast_last(mean0(s.mm('@t_25 one', t_25, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
-        t_28 = s.mm('_ one', ((-1/s.d_V) * t_27 * s.M_Z), s.one)
-        t_29 = lin((1, s.P_Z, (-1/s.d_V) * t_27), (2/s.d_V, t_28, s.t_4))
-        t_33 = lin((1, s.t_31, (-1/s.d_V) * t_27), (1, s.t_4, (4/(s.L*s.d_V**2)) * t_29), (2/s.d_V, t_28, s.t_32))
-        t_34 = lin((1, s.t_26, (-1/s.d_V) * t_27), (1, s.P_Z, (2/(s.L*s.d_V)) * t_29), (2/s.d_V, t_28, s.t_30), (1, s.mm('@t_33 one', t_33, s.one), s.M_Z))
-        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_34, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_34, s.one), True), s.d_V)))
+        t_28 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
+        t_29 = (-1/s.d_V) * s.mm('_ one', (t_28 * s.M_Z), s.one)
+        t_30 = lin((-1/s.d_V, s.P_Z, t_28), (2/s.d_V, t_29, s.t_4))
+        t_34 = lin((-1/s.d_V, s.t_32, t_28), (4/(s.L*s.d_V**2), s.t_4, t_30), (2/s.d_V, t_29, s.t_33))
+        t_35 = lin((-1/s.d_V, s.t_27, t_28), (2/(s.L*s.d_V), s.P_Z, t_30), (2/s.d_V, t_29, s.t_31), (1, s.mm('@t_34 one', t_34, s.one), s.M_Z))
+        t_36 = (-1/s.d_V) * t_35
+        out_X = lin((-s.d_V, mean0(t_36, True)), (1, bcast_last(mean0(s.mm('@t_36 one', t_36, s.one), True), s.d_V)))
         return (out_X,)
 
     def check_inputs(s):
@@ -265,7 +267,7 @@ class ce(Forward):
     """loss=ce, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "486975d29abdde69cfc390eb"
+    STAMP = "b7cc8e8630e25d9c9e6e35cc"
 
     @leaf
     def one(s):
@@ -388,23 +390,23 @@ class ce(Forward):
         return s.mm('t_22 one', s.t_22, s.one)
 
     @leaf
-    def t_32(s):
+    def t_34(s):
         return mul(s.t_5, (2/(s.L*s.d_V)) * s.t_11, s.M_Z)
 
     @leaf
-    def t_33(s):
-        return s.mm('t_32 one', s.t_32, s.one)
-
-    @leaf
-    def t_36(s):
-        return (s.t_5 * s.G)
-
-    @leaf
-    def t_37(s):
-        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_11)
+    def t_35(s):
+        return s.mm('t_34 one', s.t_34, s.one)
 
     @leaf
     def t_38(s):
+        return (s.t_5 * s.G)
+
+    @leaf
+    def t_39(s):
+        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_11)
+
+    @leaf
+    def t_40(s):
         return mul(s.t_13, (2/(s.L*s.d_V)) * s.t_11, s.M_Z)
 
     @leaf
@@ -505,29 +507,32 @@ class ce(Forward):
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_24 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
-        t_25 = lin((1, s.P_Z, (-1/s.d_V) * t_24), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_24 * s.M_Z), s.one), s.t_9))
+        t_25 = lin((-1/s.d_V, s.P_Z, t_24), (2/s.d_V, (-1/s.d_V) * s.mm('_ one', (t_24 * s.M_Z), s.one), s.t_9))
         t_26 = softmax_diff(s.t_7, t_25)
         t_27 = lin((1, s.mm('_ one', (s.t_6 * t_26), s.one), s.M_Z), ((1/2)*s.d_V, s.t_3, t_26))
-        out_X = lin((-s.d_V, mean0((-2/(s.L*s.d_V**2)) * t_27, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_27, s.one), True), s.d_V)))
+        t_28 = (-2/(s.L*s.d_V**2)) * t_27
+        out_X = lin((-s.d_V, mean0(t_28, True)), (1, bcast_last(mean0(s.mm('@t_28 one', t_28, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
-        t_29 = s.mm('_ one', ((-1/s.d_V) * t_28 * s.M_Z), s.one)
-        t_30 = s.mm('_ one', lin((1, s.t_12, (-1/s.d_V) * t_28), (2/s.d_V, t_29, s.t_14)), s.one)
-        t_31 = lin((1, s.t_16, (-1/s.d_V) * t_28), (1, t_29, s.t_12), (1, t_30, s.M_Z))
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_31, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_31, s.one), True), s.d_V)))
+        t_29 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
+        t_30 = (-1/s.d_V) * s.mm('_ one', (t_29 * s.M_Z), s.one)
+        t_31 = s.mm('_ one', lin((-1/s.d_V, s.t_12, t_29), (2/s.d_V, t_30, s.t_14)), s.one)
+        t_32 = lin((-1/s.d_V, s.t_16, t_29), (1, t_30, s.t_12), (1, t_31, s.M_Z))
+        t_33 = (-2/s.d_V**2) * t_32
+        out_X = lin((-s.d_V, mean0(t_33, True)), (1, bcast_last(mean0(s.mm('@t_33 one', t_33, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
-        t_35 = s.mm('_ one', ((-1/s.d_V) * t_34 * s.M_Z), s.one)
-        t_39 = softmax_diff(s.t_10, lin((1, s.P_Z, (-1/s.d_V) * t_34), (2/s.d_V, t_35, s.t_9)))
-        t_40 = lin((1, s.t_37, (-1/s.d_V) * t_34), (2/s.d_V, t_35, s.t_38), (2/(s.L*s.d_V), s.t_6, t_39))
-        t_41 = lin((1, s.t_33, (-1/s.d_V) * t_34), (2/s.d_V, t_35, s.t_36), (1, s.mm('@t_40 one', t_40, s.one), s.M_Z), (1/s.L, s.t_3, t_39))
-        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_41, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_41, s.one), True), s.d_V)))
+        t_36 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
+        t_37 = (-1/s.d_V) * s.mm('_ one', (t_36 * s.M_Z), s.one)
+        t_41 = softmax_diff(s.t_10, lin((-1/s.d_V, s.P_Z, t_36), (2/s.d_V, t_37, s.t_9)))
+        t_42 = lin((-1/s.d_V, s.t_39, t_36), (2/s.d_V, t_37, s.t_40), (2/(s.L*s.d_V), s.t_6, t_41))
+        t_43 = lin((-1/s.d_V, s.t_35, t_36), (2/s.d_V, t_37, s.t_38), (1, s.mm('@t_42 one', t_42, s.one), s.M_Z), (1/s.L, s.t_3, t_41))
+        t_44 = (-1/s.d_V) * t_43
+        out_X = lin((-s.d_V, mean0(t_44, True)), (1, bcast_last(mean0(s.mm('@t_44 one', t_44, s.one), True), s.d_V)))
         return (out_X,)
 
     def check_inputs(s):
@@ -539,4 +544,4 @@ VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): mse,
     ('ce', (('affine', 'none'), ('eps', 0))): ce,
 }
-CHECKSUM = "0c243d35b6f08ac847d368f1"
+CHECKSUM = "b16dbac886755c0c1197dd1e"

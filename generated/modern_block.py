@@ -24,14 +24,14 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "8501d254ca10e3374602c15b"
+    STAMP = "62a5f97ce4b0f27aa1d89931"
     RUNS = {
         "@V_W_K' N_1'": 2,
-        "@V_W_O1 t_157'": 2,
+        "@V_W_O1 t_161'": 2,
         "@V_W_O1 t_42'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
-        "@V_W_O2 t_157'": 2,
+        "@V_W_O2 t_161'": 2,
         "@V_W_O2 t_42'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
@@ -48,37 +48,37 @@ class mse_causal0(Forward):
         "@t_100' A1 N_1": 2,
         "@t_100' A2": 2,
         "@t_100' A2 N_1": 2,
-        '@t_112 N_1': 3,
-        '@t_112 N_1 W_V': 2,
-        "@t_112' t_42": 2,
-        '@t_115 N_1': 3,
-        '@t_115 N_1 W_V': 2,
-        "@t_115' t_42": 2,
-        "@t_128 W_O1'": 2,
-        "@t_128 W_O2'": 2,
-        "@t_128' A1": 2,
-        "@t_128' A1 N_1": 2,
-        "@t_128' A2": 2,
-        "@t_128' A2 N_1": 2,
-        '@t_160 N_1': 3,
-        '@t_160 N_1 W_V': 2,
-        "@t_160' t_157": 2,
-        '@t_163 N_1': 3,
-        '@t_163 N_1 W_V': 2,
-        "@t_163' t_157": 2,
-        "@t_184 W_O1'": 2,
-        "@t_184 W_O2'": 2,
-        "@t_184' A1": 2,
-        "@t_184' A1 N_1": 2,
-        "@t_184' A2": 2,
-        "@t_184' A2 N_1": 2,
+        '@t_114 N_1': 3,
+        '@t_114 N_1 W_V': 2,
+        "@t_114' t_42": 2,
+        '@t_118 N_1': 3,
+        '@t_118 N_1 W_V': 2,
+        "@t_118' t_42": 2,
+        "@t_131 W_O1'": 2,
+        "@t_131 W_O2'": 2,
+        "@t_131' A1": 2,
+        "@t_131' A1 N_1": 2,
+        "@t_131' A2": 2,
+        "@t_131' A2 N_1": 2,
+        '@t_164 N_1': 3,
+        '@t_164 N_1 W_V': 2,
+        "@t_164' t_161": 2,
+        '@t_168 N_1': 3,
+        '@t_168 N_1 W_V': 2,
+        "@t_168' t_161": 2,
+        "@t_189 W_O1'": 2,
+        "@t_189 W_O2'": 2,
+        "@t_189' A1": 2,
+        "@t_189' A1 N_1": 2,
+        "@t_189' A2": 2,
+        "@t_189' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_157": 2,
+        "A1' t_161": 2,
         "A1' t_42": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_157": 2,
+        "A2' t_161": 2,
         "A2' t_42": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
@@ -89,19 +89,19 @@ class mse_causal0(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_112' t_42": 2,
-        "N_1' @t_115' t_42": 2,
-        "N_1' @t_160' t_157": 2,
-        "N_1' @t_163' t_157": 2,
-        "N_1' A1' t_157": 2,
+        "N_1' @t_114' t_42": 2,
+        "N_1' @t_118' t_42": 2,
+        "N_1' @t_164' t_161": 2,
+        "N_1' @t_168' t_161": 2,
+        "N_1' A1' t_161": 2,
         "N_1' A1' t_42": 4,
-        "N_1' A2' t_157": 2,
+        "N_1' A2' t_161": 2,
         "N_1' A2' t_42": 4,
-        "W_O1 t_157'": 3,
+        "W_O1 t_161'": 3,
         "W_O1 t_25'": 2,
         "W_O1 t_42'": 5,
         "W_O1' W_V'": 13,
-        "W_O2 t_157'": 3,
+        "W_O2 t_161'": 3,
         "W_O2 t_25'": 2,
         "W_O2 t_42'": 5,
         "W_O2' W_V'": 13,
@@ -508,124 +508,124 @@ class mse_causal0(Forward):
         return (s.t_52 + s.t_53)
 
     @leaf
-    def t_109(s):
+    def t_111(s):
         return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_111(s):
+    def t_113(s):
         return lin((1, s.t_55), (2, s.t_56))
 
     @leaf
-    def t_122(s):
+    def t_125(s):
         return (s.t_57 + s.t_58)
 
     @leaf
-    def t_132(s):
-        return softmax_diff(s.A1, s.t_109)
+    def t_135(s):
+        return softmax_diff(s.A1, s.t_111)
 
     @leaf
-    def t_134(s):
+    def t_137(s):
         return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_139(s):
-        return softmax_diff(s.A2, s.t_134)
+    def t_142(s):
+        return softmax_diff(s.A2, s.t_137)
 
     @leaf
-    def t_142(s):
+    def t_145(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_146(s):
+    def t_150(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_147(s):
+    def t_151(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_148(s):
-        return mul(s.t_13, s.t_147, s.t_11, s.t_14)
-
-    @leaf
-    def t_149(s):
-        return mul(s.t_12, s.t_147, s.t_14)
-
-    @leaf
-    def t_150(s):
-        return (s.t_148 + s.t_149)
-
-    @leaf
-    def t_151(s):
-        return s.mm("t_150 W_1'", s.t_150, tr(s.W_1))
-
-    @leaf
     def t_152(s):
-        return mul(s.t_12, s.t_147, s.t_11)
+        return mul(s.t_13, s.t_151, s.t_11, s.t_14)
 
     @leaf
     def t_153(s):
-        return s.mm("t_152 W_3'", s.t_152, tr(s.W_3))
+        return mul(s.t_12, s.t_151, s.t_14)
 
     @leaf
     def t_154(s):
-        return (s.t_151 + s.t_153)
+        return (s.t_152 + s.t_153)
 
     @leaf
     def t_155(s):
-        return mul((2/s.d_V) * s.t_154, s.t_22, s.Y_2)
+        return s.mm("t_154 W_1'", s.t_154, tr(s.W_1))
 
     @leaf
     def t_156(s):
-        return s.mm('t_155 one', s.t_155, s.one)
+        return mul(s.t_12, s.t_151, s.t_11)
 
     @leaf
     def t_157(s):
-        return lin((2/(s.L*s.d_V), s.t_146), (1, s.t_154, s.R_N_2), (1, s.t_156, s.Y_2))
+        return s.mm("t_156 W_3'", s.t_156, tr(s.W_3))
 
     @leaf
     def t_158(s):
-        return s.mm("t_157 W_O1' W_V' N_1'", s.t_157, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return (s.t_155 + s.t_157)
 
     @leaf
-    def t_172(s):
-        return lin((1, mul(s.t_54, s.t_147, s.t_11), s.t_14), (2, (s.t_13 * s.t_147), s.t_14))
+    def t_159(s):
+        return mul((2/s.d_V) * s.t_158, s.t_22, s.Y_2)
 
     @leaf
-    def t_174(s):
-        return mul(s.t_13, s.t_147, s.t_11)
+    def t_160(s):
+        return s.mm('t_159 one', s.t_159, s.one)
 
     @leaf
-    def t_175(s):
-        return (s.t_12 * s.t_147)
+    def t_161(s):
+        return lin((2/(s.L*s.d_V), s.t_150), (1, s.t_158, s.R_N_2), (1, s.t_160, s.Y_2))
 
     @leaf
-    def t_176(s):
-        return (s.t_174 + s.t_175)
+    def t_162(s):
+        return s.mm("t_161 W_O1' W_V' N_1'", s.t_161, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_177(s):
+        return lin((1, mul(s.t_54, s.t_151, s.t_11), s.t_14), (2, (s.t_13 * s.t_151), s.t_14))
+
+    @leaf
+    def t_179(s):
+        return mul(s.t_13, s.t_151, s.t_11)
 
     @leaf
     def t_180(s):
-        return (s.t_154 * s.t_22)
+        return (s.t_12 * s.t_151)
 
     @leaf
     def t_181(s):
-        return ((2/s.d_V) * s.t_154 * s.t_22)
+        return (s.t_179 + s.t_180)
 
     @leaf
-    def t_182(s):
-        return mul((2/s.d_V) * s.t_154, s.t_60, s.Y_2)
+    def t_185(s):
+        return (s.t_158 * s.t_22)
 
     @leaf
-    def t_188(s):
-        return softmax_diff(s.A1, s.t_158)
+    def t_186(s):
+        return ((2/s.d_V) * s.t_158 * s.t_22)
 
     @leaf
-    def t_190(s):
-        return s.mm("t_157 W_O2' W_V' N_1'", s.t_157, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_187(s):
+        return mul((2/s.d_V) * s.t_158, s.t_60, s.Y_2)
+
+    @leaf
+    def t_193(s):
+        return softmax_diff(s.A1, s.t_162)
 
     @leaf
     def t_195(s):
-        return softmax_diff(s.A2, s.t_190)
+        return s.mm("t_161 W_O2' W_V' N_1'", s.t_161, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_200(s):
+        return softmax_diff(s.A2, s.t_195)
 
     @leaf
     def S_2(s):
@@ -1682,11 +1682,11 @@ class mse_causal0(Forward):
         t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
-        t_96 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_95, tr(s.W_2))
+        t_96 = (2/(s.L*s.d_V)) * s.mm("@t_95 W_2'", t_95, tr(s.W_2))
         t_97 = (s.t_91 * t_96)
         t_98 = (s.t_32 * t_96)
         t_99 = lin((1, s.prod("@t_97 W_1'", t_97, tr(s.W_1))), (1, s.prod("@t_98 W_3'", t_98, tr(s.W_3))))
-        t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, s.mm('_ one', (s.t_51 * (2/s.d_V) * t_99), s.one), s.Y_2))
+        t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_51 * t_99), s.one), s.Y_2))
         t_101 = softmax_diff(s.A1, s.mm("@t_100 W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_102 = s.mm("@t_101 t_2'", t_101, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), mean=True)
@@ -1694,101 +1694,107 @@ class mse_causal0(Forward):
         t_104 = s.mm("@t_103 t_2'", t_103, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_104 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_104 * s.C)), mean=True)
         t_105 = lin((1, s.prod("@t_101' t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("@t_103' t_38'", tr(t_103), tr(s.t_38))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.C)), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_105 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_105 * s.C)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_100 W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' @t_100 W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
         out_W_O2 = s.mm("W_V' N_1' A2' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
         out_W_1 = s.mm("N_2' @t_97", tr(s.N_2), t_97, mean=True)
         out_W_3 = s.mm("N_2' @t_98", tr(s.N_2), t_98, mean=True)
-        out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_95, mean=True)
+        t_106 = (2/(s.L*s.d_V)) * t_95
+        out_W_2 = s.mm("t_15' @t_106", tr(s.t_15), t_106, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_106 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_107 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_108 = lin((1, s.prod("t_37' @t_106", tr(s.t_37), t_106)), (1, s.prod("@t_107 t_5'", t_107, tr(s.t_5))))
-        t_110 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_108, s.t_109)
-        t_112 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_108)
-        t_113 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_114 = lin((1, s.prod("@t_113 t_5'", t_113, tr(s.t_5))), (1, s.prod("t_38' @t_106", tr(s.t_38), t_106)))
-        t_115 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_114)
-        t_116 = lin((1, s.mm_sum('r', (1, '@t_112 N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_115 N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
-        t_118 = (t_117 * s.t_51)
-        t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
-        t_120 = lin((1, s.prod('@t_119 W_1', t_119, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_121 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
-        t_123 = lin((1, s.prod('@t_119 W_3', t_119, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_124 = lin((1, s.t_111, t_120), (1, s.t_91, t_121), (1, s.t_122, t_123))
-        t_125 = ((s.t_122 * t_120) + (s.t_32 * t_121))
-        t_126 = lin((1, s.prod("@t_124 W_1'", t_124, tr(s.W_1))), (1, s.prod("@t_125 W_3'", t_125, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
-        t_127 = lin((1, s.t_66, t_116), (1, s.t_51, (2/s.d_V) * t_126), (2/s.d_V, t_117, s.t_67))
-        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_69), (1, s.t_41, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
-        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_130 = softmax_diff(s.A1, t_129)
-        t_131 = (t_110 + t_130)
-        t_133 = lin((1, s.prod("@t_131 t_2'", t_131, tr(s.t_2))), (1, s.prod("t_132 @t_106'", s.t_132, tr(t_106))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), mean=True)
-        t_135 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_114, s.t_134)
-        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_137 = softmax_diff(s.A2, t_136)
-        t_138 = (t_135 + t_137)
-        t_140 = lin((1, s.prod("@t_138 t_2'", t_138, tr(s.t_2))), (1, s.prod("t_139 @t_106'", s.t_139, tr(t_106))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), mean=True)
-        t_141 = lin((1, s.prod("@t_131' t_37'", tr(t_131), tr(s.t_37))), (1, s.prod("@t_138' t_38'", tr(t_138), tr(s.t_38))), (1, s.prod("t_132' @t_107", tr(s.t_132), t_107)), (1, s.prod("t_139' @t_113", tr(s.t_139), t_113)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_42 W_O2'", tr(s.N_1), tr(t_115), s.t_42, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' @t_112' t_42 W_O1'", tr(s.N_1), tr(t_112), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_112' t_42", tr(s.W_V), tr(s.N_1), tr(t_112), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_115' t_42", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
-        out_W_1 = (s.mm("@t_119' t_17", tr(t_119), s.t_17, mean=True) + s.mm("N_2' @t_124", tr(s.N_2), t_124, mean=True))
-        out_W_3 = (s.mm("@t_119' t_18", tr(t_119), s.t_18, mean=True) + s.mm("N_2' @t_125", tr(s.N_2), t_125, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_120)) + (s.t_142 * tr(t_123))), s.G, mean=True)
+        t_107 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_108 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_109 = lin((1, s.prod("t_37' @t_107", tr(s.t_37), t_107)), (1, s.prod("@t_108 t_5'", t_108, tr(s.t_5))))
+        t_110 = (1/math.sqrt(s.d_K)) * t_109
+        t_112 = softmax_diff2(s.A1, t_110, s.t_111)
+        t_114 = softmax_diff(s.A1, t_110)
+        t_115 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_116 = lin((1, s.prod("@t_115 t_5'", t_115, tr(s.t_5))), (1, s.prod("t_38' @t_107", tr(s.t_38), t_107)))
+        t_117 = (1/math.sqrt(s.d_K)) * t_116
+        t_118 = softmax_diff(s.A2, t_117)
+        t_119 = lin((1, s.mm_sum('r', (1, '@t_114 N_1 W_V W_O1', t_114, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_118 N_1 W_V W_O2', t_118, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_120 = s.mm('_ one', (t_119 * s.Y_2), s.one)
+        t_121 = (t_120 * s.t_51)
+        t_122 = lin((1, t_119, s.R_N_2), (2/s.d_V, t_121))
+        t_123 = lin((1, s.prod('@t_122 W_1', t_122, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_124 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_126 = lin((1, s.prod('@t_122 W_3', t_122, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_127 = lin((1, s.t_113, t_123), (1, s.t_91, t_124), (1, s.t_125, t_126))
+        t_128 = ((s.t_125 * t_123) + (s.t_32 * t_124))
+        t_129 = lin((1, s.prod("@t_127 W_1'", t_127, tr(s.W_1))), (1, s.prod("@t_128 W_3'", t_128, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
+        t_130 = lin((1, s.t_66, t_119), (2/s.d_V, s.t_51, t_129), (2/s.d_V, t_120, s.t_67))
+        t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_69), (1, s.t_41, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
+        t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_133 = softmax_diff(s.A1, t_132)
+        t_134 = (t_112 + t_133)
+        t_136 = lin((1, s.prod("@t_134 t_2'", t_134, tr(s.t_2))), (1, s.prod("t_135 @t_107'", s.t_135, tr(t_107))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_136 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_136 * s.S), tr(s.R)), mean=True)
+        t_138 = softmax_diff2(s.A2, t_117, s.t_137)
+        t_139 = s.mm_sum('r', (1, "@t_131 W_O2' W_V' N_1'", t_131, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_140 = softmax_diff(s.A2, t_139)
+        t_141 = (t_138 + t_140)
+        t_143 = lin((1, s.prod("@t_141 t_2'", t_141, tr(s.t_2))), (1, s.prod("t_142 @t_107'", s.t_142, tr(t_107))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_143 * s.C)), mean=True)
+        t_144 = lin((1, s.prod("@t_134' t_37'", tr(t_134), tr(s.t_37))), (1, s.prod("@t_141' t_38'", tr(t_141), tr(s.t_38))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_118' t_42 W_O2'", tr(s.N_1), tr(t_118), s.t_42, tr(s.W_O2)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' @t_114' t_42 W_O1'", tr(s.N_1), tr(t_114), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_114' t_42", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_118' t_42", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
+        out_W_1 = (s.mm("@t_122' t_17", tr(t_122), s.t_17, mean=True) + s.mm("N_2' @t_127", tr(s.N_2), t_127, mean=True))
+        out_W_3 = (s.mm("@t_122' t_18", tr(t_122), s.t_18, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_123)) + (s.t_145 * tr(t_126))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_143 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_144 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_145 = lin((1, s.prod("t_37' @t_143", tr(s.t_37), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
-        t_159 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_145, s.t_158)
-        t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_145)
-        t_161 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_162 = lin((1, s.prod("@t_161 t_5'", t_161, tr(s.t_5))), (1, s.prod("t_38' @t_143", tr(s.t_38), t_143)))
-        t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
-        t_164 = lin((1, s.mm_sum('r', (1, '@t_160 N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_163 N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
-        t_166 = (t_165 * s.t_51)
-        t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
-        t_168 = lin((1, s.prod('@t_167 W_1', t_167, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_169 = lin((1, s.prod('@t_167 W_3', t_167, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_170 = ((s.t_91 * t_168) + (s.t_32 * t_169))
-        t_171 = lin((1, t_164), (1, s.prod('@t_170 W_2', t_170, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
-        t_173 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_171, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
-        t_177 = lin((1, s.t_172, t_168), (1, s.t_91, t_173), (1, s.t_176, t_169))
-        t_178 = ((s.t_176 * t_168) + (s.t_32 * t_173))
-        t_179 = lin((1, s.prod("@t_177 W_1'", t_177, tr(s.W_1))), (1, s.prod("@t_178 W_3'", t_178, tr(s.W_3))), (1, s.prod("t_150 @V_W_1'", s.t_150, tr(V_W_1))), (1, s.prod("t_152 @V_W_3'", s.t_152, tr(V_W_3))))
-        t_183 = lin((1, s.t_181, t_164), (1, s.t_51, (2/s.d_V) * t_179), (2/s.d_V, t_165, s.t_182))
-        t_184 = lin((2/(s.L*s.d_V), t_171), (1, t_179, s.R_N_2), (2/s.d_V, t_165, s.t_180), (1, s.t_156, t_164), (1, s.mm('@t_183 one', t_183, s.one), s.Y_2))
-        t_185 = s.mm_sum('r', (1, "@t_184 W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 @V_W_O1' W_V' N_1'", s.t_157, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O1' @V_W_V' N_1'", s.t_157, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_186 = softmax_diff(s.A1, t_185)
-        t_187 = (t_159 + t_186)
-        t_189 = lin((1, s.prod("@t_187 t_2'", t_187, tr(s.t_2))), (1, s.prod("t_188 @t_143'", s.t_188, tr(t_143))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_189 * s.C)), mean=True)
-        t_191 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_190)
-        t_192 = s.mm_sum('r', (1, "@t_184 W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 @V_W_O2' W_V' N_1'", s.t_157, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O2' @V_W_V' N_1'", s.t_157, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_193 = softmax_diff(s.A2, t_192)
-        t_194 = (t_191 + t_193)
-        t_196 = lin((1, s.prod("@t_194 t_2'", t_194, tr(s.t_2))), (1, s.prod("t_195 @t_143'", s.t_195, tr(t_143))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_196 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), mean=True)
-        t_197 = lin((1, s.prod("@t_187' t_37'", tr(t_187), tr(s.t_37))), (1, s.prod("@t_194' t_38'", tr(t_194), tr(s.t_38))), (1, s.prod("t_188' @t_144", tr(s.t_188), t_144)), (1, s.prod("t_195' @t_161", tr(s.t_195), t_161)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_157 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_157, tr(V_W_O2)), (1, "N_1' A2' @t_184 W_O2'", tr(s.N_1), tr(s.A2), t_184, tr(s.W_O2)), (1, "N_1' A1' t_157 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_157, tr(V_W_O1)), (1, "N_1' @t_160' t_157 W_O1'", tr(s.N_1), tr(t_160), s.t_157, tr(s.W_O1)), (1, "N_1' @t_163' t_157 W_O2'", tr(s.N_1), tr(t_163), s.t_157, tr(s.W_O2)), (1, "N_1' A1' @t_184 W_O1'", tr(s.N_1), tr(s.A1), t_184, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_157", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_157), (1, "W_V' N_1' @t_160' t_157", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A1' @t_184", tr(s.W_V), tr(s.N_1), tr(s.A1), t_184, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_157", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_157), (1, "W_V' N_1' @t_163' t_157", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A2' @t_184", tr(s.W_V), tr(s.N_1), tr(s.A2), t_184, mean=True)))
-        out_W_1 = (s.mm("@t_167' t_150", tr(t_167), s.t_150, mean=True) + s.mm("N_2' @t_177", tr(s.N_2), t_177, mean=True))
-        out_W_3 = (s.mm("@t_167' t_152", tr(t_167), s.t_152, mean=True) + s.mm("N_2' @t_178", tr(s.N_2), t_178, mean=True))
-        out_W_2 = (s.mm("@t_170' G", tr(t_170), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_171, mean=True))
+        t_146 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_147 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_148 = lin((1, s.prod("t_37' @t_146", tr(s.t_37), t_146)), (1, s.prod("@t_147 t_5'", t_147, tr(s.t_5))))
+        t_149 = (1/math.sqrt(s.d_K)) * t_148
+        t_163 = softmax_diff2(s.A1, t_149, s.t_162)
+        t_164 = softmax_diff(s.A1, t_149)
+        t_165 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_166 = lin((1, s.prod("@t_165 t_5'", t_165, tr(s.t_5))), (1, s.prod("t_38' @t_146", tr(s.t_38), t_146)))
+        t_167 = (1/math.sqrt(s.d_K)) * t_166
+        t_168 = softmax_diff(s.A2, t_167)
+        t_169 = lin((1, s.mm_sum('r', (1, '@t_164 N_1 W_V W_O1', t_164, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_168 N_1 W_V W_O2', t_168, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_170 = s.mm('_ one', (t_169 * s.Y_2), s.one)
+        t_171 = (t_170 * s.t_51)
+        t_172 = lin((1, t_169, s.R_N_2), (2/s.d_V, t_171))
+        t_173 = lin((1, s.prod('@t_172 W_1', t_172, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_174 = lin((1, s.prod('@t_172 W_3', t_172, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_175 = ((s.t_91 * t_173) + (s.t_32 * t_174))
+        t_176 = lin((1, t_169), (1, s.prod('@t_175 W_2', t_175, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_178 = lin((2/(s.L*s.d_V), s.prod("@t_176 W_2'", t_176, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
+        t_182 = lin((1, s.t_177, t_173), (1, s.t_91, t_178), (1, s.t_181, t_174))
+        t_183 = ((s.t_181 * t_173) + (s.t_32 * t_178))
+        t_184 = lin((1, s.prod("@t_182 W_1'", t_182, tr(s.W_1))), (1, s.prod("@t_183 W_3'", t_183, tr(s.W_3))), (1, s.prod("t_154 @V_W_1'", s.t_154, tr(V_W_1))), (1, s.prod("t_156 @V_W_3'", s.t_156, tr(V_W_3))))
+        t_188 = lin((1, s.t_186, t_169), (2/s.d_V, s.t_51, t_184), (2/s.d_V, t_170, s.t_187))
+        t_189 = lin((2/(s.L*s.d_V), t_176), (1, t_184, s.R_N_2), (2/s.d_V, t_170, s.t_185), (1, s.t_160, t_169), (1, s.mm('@t_188 one', t_188, s.one), s.Y_2))
+        t_190 = s.mm_sum('r', (1, "@t_189 W_O1' W_V' N_1'", t_189, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_161 @V_W_O1' W_V' N_1'", s.t_161, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_161 W_O1' @V_W_V' N_1'", s.t_161, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_191 = softmax_diff(s.A1, t_190)
+        t_192 = (t_163 + t_191)
+        t_194 = lin((1, s.prod("@t_192 t_2'", t_192, tr(s.t_2))), (1, s.prod("t_193 @t_146'", s.t_193, tr(t_146))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_194 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_194 * s.C)), mean=True)
+        t_196 = softmax_diff2(s.A2, t_167, s.t_195)
+        t_197 = s.mm_sum('r', (1, "@t_189 W_O2' W_V' N_1'", t_189, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_161 @V_W_O2' W_V' N_1'", s.t_161, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_161 W_O2' @V_W_V' N_1'", s.t_161, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_198 = softmax_diff(s.A2, t_197)
+        t_199 = (t_196 + t_198)
+        t_201 = lin((1, s.prod("@t_199 t_2'", t_199, tr(s.t_2))), (1, s.prod("t_200 @t_146'", s.t_200, tr(t_146))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_201 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
+        t_202 = lin((1, s.prod("@t_192' t_37'", tr(t_192), tr(s.t_37))), (1, s.prod("@t_199' t_38'", tr(t_199), tr(s.t_38))), (1, s.prod("t_193' @t_147", tr(s.t_193), t_147)), (1, s.prod("t_200' @t_165", tr(s.t_200), t_165)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_161 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_161, tr(V_W_O2)), (1, "N_1' A2' @t_189 W_O2'", tr(s.N_1), tr(s.A2), t_189, tr(s.W_O2)), (1, "N_1' A1' t_161 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_161, tr(V_W_O1)), (1, "N_1' @t_164' t_161 W_O1'", tr(s.N_1), tr(t_164), s.t_161, tr(s.W_O1)), (1, "N_1' @t_168' t_161 W_O2'", tr(s.N_1), tr(t_168), s.t_161, tr(s.W_O2)), (1, "N_1' A1' @t_189 W_O1'", tr(s.N_1), tr(s.A1), t_189, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_161", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_161), (1, "W_V' N_1' @t_164' t_161", tr(s.W_V), tr(s.N_1), tr(t_164), s.t_161), mean=True)), (1, s.mm("W_V' N_1' A1' @t_189", tr(s.W_V), tr(s.N_1), tr(s.A1), t_189, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_161", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_161), (1, "W_V' N_1' @t_168' t_161", tr(s.W_V), tr(s.N_1), tr(t_168), s.t_161), mean=True)), (1, s.mm("W_V' N_1' A2' @t_189", tr(s.W_V), tr(s.N_1), tr(s.A2), t_189, mean=True)))
+        out_W_1 = (s.mm("@t_172' t_154", tr(t_172), s.t_154, mean=True) + s.mm("N_2' @t_182", tr(s.N_2), t_182, mean=True))
+        out_W_3 = (s.mm("@t_172' t_156", tr(t_172), s.t_156, mean=True) + s.mm("N_2' @t_183", tr(s.N_2), t_183, mean=True))
+        t_203 = (2/(s.L*s.d_V)) * t_176
+        out_W_2 = (s.mm("@t_175' G", tr(t_175), s.G, mean=True) + s.mm("t_15' @t_203", tr(s.t_15), t_203, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -1796,14 +1802,14 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "b4b89a55b0f4b8bd5adee1fb"
+    STAMP = "d585c5c4ebcdd932cf1f7c08"
     RUNS = {
         "@V_W_K' N_1'": 2,
-        "@V_W_O1 t_157'": 2,
+        "@V_W_O1 t_161'": 2,
         "@V_W_O1 t_42'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
-        "@V_W_O2 t_157'": 2,
+        "@V_W_O2 t_161'": 2,
         "@V_W_O2 t_42'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
@@ -1820,37 +1826,37 @@ class mse_causal1(Forward):
         "@t_100' A1 N_1": 2,
         "@t_100' A2": 2,
         "@t_100' A2 N_1": 2,
-        '@t_112 N_1': 3,
-        '@t_112 N_1 W_V': 2,
-        "@t_112' t_42": 2,
-        '@t_115 N_1': 3,
-        '@t_115 N_1 W_V': 2,
-        "@t_115' t_42": 2,
-        "@t_128 W_O1'": 2,
-        "@t_128 W_O2'": 2,
-        "@t_128' A1": 2,
-        "@t_128' A1 N_1": 2,
-        "@t_128' A2": 2,
-        "@t_128' A2 N_1": 2,
-        '@t_160 N_1': 3,
-        '@t_160 N_1 W_V': 2,
-        "@t_160' t_157": 2,
-        '@t_163 N_1': 3,
-        '@t_163 N_1 W_V': 2,
-        "@t_163' t_157": 2,
-        "@t_184 W_O1'": 2,
-        "@t_184 W_O2'": 2,
-        "@t_184' A1": 2,
-        "@t_184' A1 N_1": 2,
-        "@t_184' A2": 2,
-        "@t_184' A2 N_1": 2,
+        '@t_114 N_1': 3,
+        '@t_114 N_1 W_V': 2,
+        "@t_114' t_42": 2,
+        '@t_118 N_1': 3,
+        '@t_118 N_1 W_V': 2,
+        "@t_118' t_42": 2,
+        "@t_131 W_O1'": 2,
+        "@t_131 W_O2'": 2,
+        "@t_131' A1": 2,
+        "@t_131' A1 N_1": 2,
+        "@t_131' A2": 2,
+        "@t_131' A2 N_1": 2,
+        '@t_164 N_1': 3,
+        '@t_164 N_1 W_V': 2,
+        "@t_164' t_161": 2,
+        '@t_168 N_1': 3,
+        '@t_168 N_1 W_V': 2,
+        "@t_168' t_161": 2,
+        "@t_189 W_O1'": 2,
+        "@t_189 W_O2'": 2,
+        "@t_189' A1": 2,
+        "@t_189' A1 N_1": 2,
+        "@t_189' A2": 2,
+        "@t_189' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_157": 2,
+        "A1' t_161": 2,
         "A1' t_42": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_157": 2,
+        "A2' t_161": 2,
         "A2' t_42": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
@@ -1861,19 +1867,19 @@ class mse_causal1(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_112' t_42": 2,
-        "N_1' @t_115' t_42": 2,
-        "N_1' @t_160' t_157": 2,
-        "N_1' @t_163' t_157": 2,
-        "N_1' A1' t_157": 2,
+        "N_1' @t_114' t_42": 2,
+        "N_1' @t_118' t_42": 2,
+        "N_1' @t_164' t_161": 2,
+        "N_1' @t_168' t_161": 2,
+        "N_1' A1' t_161": 2,
         "N_1' A1' t_42": 4,
-        "N_1' A2' t_157": 2,
+        "N_1' A2' t_161": 2,
         "N_1' A2' t_42": 4,
-        "W_O1 t_157'": 3,
+        "W_O1 t_161'": 3,
         "W_O1 t_25'": 2,
         "W_O1 t_42'": 5,
         "W_O1' W_V'": 13,
-        "W_O2 t_157'": 3,
+        "W_O2 t_161'": 3,
         "W_O2 t_25'": 2,
         "W_O2 t_42'": 5,
         "W_O2' W_V'": 13,
@@ -2280,124 +2286,124 @@ class mse_causal1(Forward):
         return (s.t_52 + s.t_53)
 
     @leaf
-    def t_109(s):
+    def t_111(s):
         return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_111(s):
+    def t_113(s):
         return lin((1, s.t_55), (2, s.t_56))
 
     @leaf
-    def t_122(s):
+    def t_125(s):
         return (s.t_57 + s.t_58)
 
     @leaf
-    def t_132(s):
-        return softmax_diff(s.A1, s.t_109)
+    def t_135(s):
+        return softmax_diff(s.A1, s.t_111)
 
     @leaf
-    def t_134(s):
+    def t_137(s):
         return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_139(s):
-        return softmax_diff(s.A2, s.t_134)
+    def t_142(s):
+        return softmax_diff(s.A2, s.t_137)
 
     @leaf
-    def t_142(s):
+    def t_145(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_146(s):
+    def t_150(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_147(s):
+    def t_151(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_148(s):
-        return mul(s.t_13, s.t_147, s.t_11, s.t_14)
-
-    @leaf
-    def t_149(s):
-        return mul(s.t_12, s.t_147, s.t_14)
-
-    @leaf
-    def t_150(s):
-        return (s.t_148 + s.t_149)
-
-    @leaf
-    def t_151(s):
-        return s.mm("t_150 W_1'", s.t_150, tr(s.W_1))
-
-    @leaf
     def t_152(s):
-        return mul(s.t_12, s.t_147, s.t_11)
+        return mul(s.t_13, s.t_151, s.t_11, s.t_14)
 
     @leaf
     def t_153(s):
-        return s.mm("t_152 W_3'", s.t_152, tr(s.W_3))
+        return mul(s.t_12, s.t_151, s.t_14)
 
     @leaf
     def t_154(s):
-        return (s.t_151 + s.t_153)
+        return (s.t_152 + s.t_153)
 
     @leaf
     def t_155(s):
-        return mul((2/s.d_V) * s.t_154, s.t_22, s.Y_2)
+        return s.mm("t_154 W_1'", s.t_154, tr(s.W_1))
 
     @leaf
     def t_156(s):
-        return s.mm('t_155 one', s.t_155, s.one)
+        return mul(s.t_12, s.t_151, s.t_11)
 
     @leaf
     def t_157(s):
-        return lin((2/(s.L*s.d_V), s.t_146), (1, s.t_154, s.R_N_2), (1, s.t_156, s.Y_2))
+        return s.mm("t_156 W_3'", s.t_156, tr(s.W_3))
 
     @leaf
     def t_158(s):
-        return s.mm("t_157 W_O1' W_V' N_1'", s.t_157, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return (s.t_155 + s.t_157)
 
     @leaf
-    def t_172(s):
-        return lin((1, mul(s.t_54, s.t_147, s.t_11), s.t_14), (2, (s.t_13 * s.t_147), s.t_14))
+    def t_159(s):
+        return mul((2/s.d_V) * s.t_158, s.t_22, s.Y_2)
 
     @leaf
-    def t_173(s):
-        return mul(s.t_13, s.t_147, s.t_11)
+    def t_160(s):
+        return s.mm('t_159 one', s.t_159, s.one)
 
     @leaf
-    def t_174(s):
-        return (s.t_12 * s.t_147)
+    def t_161(s):
+        return lin((2/(s.L*s.d_V), s.t_150), (1, s.t_158, s.R_N_2), (1, s.t_160, s.Y_2))
 
     @leaf
-    def t_175(s):
-        return (s.t_173 + s.t_174)
+    def t_162(s):
+        return s.mm("t_161 W_O1' W_V' N_1'", s.t_161, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_177(s):
+        return lin((1, mul(s.t_54, s.t_151, s.t_11), s.t_14), (2, (s.t_13 * s.t_151), s.t_14))
+
+    @leaf
+    def t_178(s):
+        return mul(s.t_13, s.t_151, s.t_11)
+
+    @leaf
+    def t_179(s):
+        return (s.t_12 * s.t_151)
 
     @leaf
     def t_180(s):
-        return (s.t_154 * s.t_22)
+        return (s.t_178 + s.t_179)
 
     @leaf
-    def t_181(s):
-        return ((2/s.d_V) * s.t_154 * s.t_22)
+    def t_185(s):
+        return (s.t_158 * s.t_22)
 
     @leaf
-    def t_182(s):
-        return mul((2/s.d_V) * s.t_154, s.t_60, s.Y_2)
+    def t_186(s):
+        return ((2/s.d_V) * s.t_158 * s.t_22)
 
     @leaf
-    def t_188(s):
-        return softmax_diff(s.A1, s.t_158)
+    def t_187(s):
+        return mul((2/s.d_V) * s.t_158, s.t_60, s.Y_2)
 
     @leaf
-    def t_190(s):
-        return s.mm("t_157 W_O2' W_V' N_1'", s.t_157, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_193(s):
+        return softmax_diff(s.A1, s.t_162)
 
     @leaf
     def t_195(s):
-        return softmax_diff(s.A2, s.t_190)
+        return s.mm("t_161 W_O2' W_V' N_1'", s.t_161, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_200(s):
+        return softmax_diff(s.A2, s.t_195)
 
     @leaf
     def S_2(s):
@@ -3454,11 +3460,11 @@ class mse_causal1(Forward):
         t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
-        t_96 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_95, tr(s.W_2))
+        t_96 = (2/(s.L*s.d_V)) * s.mm("@t_95 W_2'", t_95, tr(s.W_2))
         t_97 = (s.t_91 * t_96)
         t_98 = (s.t_32 * t_96)
         t_99 = lin((1, s.prod("@t_97 W_1'", t_97, tr(s.W_1))), (1, s.prod("@t_98 W_3'", t_98, tr(s.W_3))))
-        t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, s.mm('_ one', (s.t_51 * (2/s.d_V) * t_99), s.one), s.Y_2))
+        t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_51 * t_99), s.one), s.Y_2))
         t_101 = softmax_diff(s.A1, s.mm("@t_100 W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_102 = s.mm("@t_101 t_2'", t_101, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), mean=True)
@@ -3466,101 +3472,107 @@ class mse_causal1(Forward):
         t_104 = s.mm("@t_103 t_2'", t_103, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_104 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_104 * s.S), tr(s.R)), mean=True)
         t_105 = lin((1, s.prod("@t_101' t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("@t_103' t_38'", tr(t_103), tr(s.t_38))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.C)), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_105 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_105 * s.C)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_100 W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' @t_100 W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
         out_W_O2 = s.mm("W_V' N_1' A2' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
         out_W_1 = s.mm("N_2' @t_97", tr(s.N_2), t_97, mean=True)
         out_W_3 = s.mm("N_2' @t_98", tr(s.N_2), t_98, mean=True)
-        out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_95, mean=True)
+        t_106 = (2/(s.L*s.d_V)) * t_95
+        out_W_2 = s.mm("t_15' @t_106", tr(s.t_15), t_106, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_106 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_107 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_108 = lin((1, s.prod("t_37' @t_106", tr(s.t_37), t_106)), (1, s.prod("@t_107 t_5'", t_107, tr(s.t_5))))
-        t_110 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_108, s.t_109)
-        t_112 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_108)
-        t_113 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_114 = lin((1, s.prod("@t_113 t_5'", t_113, tr(s.t_5))), (1, s.prod("t_38' @t_106", tr(s.t_38), t_106)))
-        t_115 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_114)
-        t_116 = lin((1, s.mm_sum('r', (1, '@t_112 N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_115 N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
-        t_118 = (t_117 * s.t_51)
-        t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
-        t_120 = lin((1, s.prod('@t_119 W_1', t_119, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_121 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
-        t_123 = lin((1, s.prod('@t_119 W_3', t_119, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_124 = lin((1, s.t_111, t_120), (1, s.t_91, t_121), (1, s.t_122, t_123))
-        t_125 = ((s.t_122 * t_120) + (s.t_32 * t_121))
-        t_126 = lin((1, s.prod("@t_124 W_1'", t_124, tr(s.W_1))), (1, s.prod("@t_125 W_3'", t_125, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
-        t_127 = lin((1, s.t_66, t_116), (1, s.t_51, (2/s.d_V) * t_126), (2/s.d_V, t_117, s.t_67))
-        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_69), (1, s.t_41, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
-        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_130 = softmax_diff(s.A1, t_129)
-        t_131 = (t_110 + t_130)
-        t_133 = lin((1, s.prod("@t_131 t_2'", t_131, tr(s.t_2))), (1, s.prod("t_132 @t_106'", s.t_132, tr(t_106))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), mean=True)
-        t_135 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_114, s.t_134)
-        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_137 = softmax_diff(s.A2, t_136)
-        t_138 = (t_135 + t_137)
-        t_140 = lin((1, s.prod("@t_138 t_2'", t_138, tr(s.t_2))), (1, s.prod("t_139 @t_106'", s.t_139, tr(t_106))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), mean=True)
-        t_141 = lin((1, s.prod("@t_131' t_37'", tr(t_131), tr(s.t_37))), (1, s.prod("@t_138' t_38'", tr(t_138), tr(s.t_38))), (1, s.prod("t_132' @t_107", tr(s.t_132), t_107)), (1, s.prod("t_139' @t_113", tr(s.t_139), t_113)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_42 W_O2'", tr(s.N_1), tr(t_115), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' @t_112' t_42 W_O1'", tr(s.N_1), tr(t_112), s.t_42, tr(s.W_O1)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_112' t_42", tr(s.W_V), tr(s.N_1), tr(t_112), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_115' t_42", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
-        out_W_1 = (s.mm("@t_119' t_17", tr(t_119), s.t_17, mean=True) + s.mm("N_2' @t_124", tr(s.N_2), t_124, mean=True))
-        out_W_3 = (s.mm("@t_119' t_18", tr(t_119), s.t_18, mean=True) + s.mm("N_2' @t_125", tr(s.N_2), t_125, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_120)) + (s.t_142 * tr(t_123))), s.G, mean=True)
+        t_107 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_108 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_109 = lin((1, s.prod("t_37' @t_107", tr(s.t_37), t_107)), (1, s.prod("@t_108 t_5'", t_108, tr(s.t_5))))
+        t_110 = (1/math.sqrt(s.d_K)) * t_109
+        t_112 = softmax_diff2(s.A1, t_110, s.t_111)
+        t_114 = softmax_diff(s.A1, t_110)
+        t_115 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_116 = lin((1, s.prod("@t_115 t_5'", t_115, tr(s.t_5))), (1, s.prod("t_38' @t_107", tr(s.t_38), t_107)))
+        t_117 = (1/math.sqrt(s.d_K)) * t_116
+        t_118 = softmax_diff(s.A2, t_117)
+        t_119 = lin((1, s.mm_sum('r', (1, '@t_114 N_1 W_V W_O1', t_114, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_118 N_1 W_V W_O2', t_118, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_120 = s.mm('_ one', (t_119 * s.Y_2), s.one)
+        t_121 = (t_120 * s.t_51)
+        t_122 = lin((1, t_119, s.R_N_2), (2/s.d_V, t_121))
+        t_123 = lin((1, s.prod('@t_122 W_1', t_122, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_124 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_126 = lin((1, s.prod('@t_122 W_3', t_122, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_127 = lin((1, s.t_113, t_123), (1, s.t_91, t_124), (1, s.t_125, t_126))
+        t_128 = ((s.t_125 * t_123) + (s.t_32 * t_124))
+        t_129 = lin((1, s.prod("@t_127 W_1'", t_127, tr(s.W_1))), (1, s.prod("@t_128 W_3'", t_128, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
+        t_130 = lin((1, s.t_66, t_119), (2/s.d_V, s.t_51, t_129), (2/s.d_V, t_120, s.t_67))
+        t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_69), (1, s.t_41, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
+        t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_133 = softmax_diff(s.A1, t_132)
+        t_134 = (t_112 + t_133)
+        t_136 = lin((1, s.prod("@t_134 t_2'", t_134, tr(s.t_2))), (1, s.prod("t_135 @t_107'", s.t_135, tr(t_107))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_136 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_136 * s.C)), mean=True)
+        t_138 = softmax_diff2(s.A2, t_117, s.t_137)
+        t_139 = s.mm_sum('r', (1, "@t_131 W_O2' W_V' N_1'", t_131, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_140 = softmax_diff(s.A2, t_139)
+        t_141 = (t_138 + t_140)
+        t_143 = lin((1, s.prod("@t_141 t_2'", t_141, tr(s.t_2))), (1, s.prod("t_142 @t_107'", s.t_142, tr(t_107))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_143 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), mean=True)
+        t_144 = lin((1, s.prod("@t_134' t_37'", tr(t_134), tr(s.t_37))), (1, s.prod("@t_141' t_38'", tr(t_141), tr(s.t_38))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_118' t_42 W_O2'", tr(s.N_1), tr(t_118), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' @t_114' t_42 W_O1'", tr(s.N_1), tr(t_114), s.t_42, tr(s.W_O1)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_114' t_42", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_118' t_42", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
+        out_W_1 = (s.mm("@t_122' t_17", tr(t_122), s.t_17, mean=True) + s.mm("N_2' @t_127", tr(s.N_2), t_127, mean=True))
+        out_W_3 = (s.mm("@t_122' t_18", tr(t_122), s.t_18, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_123)) + (s.t_145 * tr(t_126))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_143 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_144 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_145 = lin((1, s.prod("t_37' @t_143", tr(s.t_37), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
-        t_159 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_145, s.t_158)
-        t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_145)
-        t_161 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_162 = lin((1, s.prod("@t_161 t_5'", t_161, tr(s.t_5))), (1, s.prod("t_38' @t_143", tr(s.t_38), t_143)))
-        t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
-        t_164 = lin((1, s.mm_sum('r', (1, '@t_160 N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_163 N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
-        t_166 = (t_165 * s.t_51)
-        t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
-        t_168 = lin((1, s.prod('@t_167 W_1', t_167, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_169 = lin((1, s.prod('@t_167 W_3', t_167, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_170 = ((s.t_91 * t_168) + (s.t_32 * t_169))
-        t_171 = lin((1, t_164), (1, s.prod('@t_170 W_2', t_170, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
-        t_176 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_171, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
-        t_177 = lin((1, s.t_172, t_168), (1, s.t_175, t_169), (1, s.t_91, t_176))
-        t_178 = ((s.t_175 * t_168) + (s.t_32 * t_176))
-        t_179 = lin((1, s.prod("@t_177 W_1'", t_177, tr(s.W_1))), (1, s.prod("@t_178 W_3'", t_178, tr(s.W_3))), (1, s.prod("t_150 @V_W_1'", s.t_150, tr(V_W_1))), (1, s.prod("t_152 @V_W_3'", s.t_152, tr(V_W_3))))
-        t_183 = lin((1, s.t_181, t_164), (1, s.t_51, (2/s.d_V) * t_179), (2/s.d_V, t_165, s.t_182))
-        t_184 = lin((2/(s.L*s.d_V), t_171), (1, t_179, s.R_N_2), (2/s.d_V, t_165, s.t_180), (1, s.t_156, t_164), (1, s.mm('@t_183 one', t_183, s.one), s.Y_2))
-        t_185 = s.mm_sum('r', (1, "@t_184 W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 @V_W_O1' W_V' N_1'", s.t_157, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O1' @V_W_V' N_1'", s.t_157, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_186 = softmax_diff(s.A1, t_185)
-        t_187 = (t_159 + t_186)
-        t_189 = lin((1, s.prod("@t_187 t_2'", t_187, tr(s.t_2))), (1, s.prod("t_188 @t_143'", s.t_188, tr(t_143))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_189 * s.C)), mean=True)
-        t_191 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_190)
-        t_192 = s.mm_sum('r', (1, "@t_184 W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O2' @V_W_V' N_1'", s.t_157, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_157 @V_W_O2' W_V' N_1'", s.t_157, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_193 = softmax_diff(s.A2, t_192)
-        t_194 = (t_191 + t_193)
-        t_196 = lin((1, s.prod("@t_194 t_2'", t_194, tr(s.t_2))), (1, s.prod("t_195 @t_143'", s.t_195, tr(t_143))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_196 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), mean=True)
-        t_197 = lin((1, s.prod("@t_187' t_37'", tr(t_187), tr(s.t_37))), (1, s.prod("@t_194' t_38'", tr(t_194), tr(s.t_38))), (1, s.prod("t_188' @t_144", tr(s.t_188), t_144)), (1, s.prod("t_195' @t_161", tr(s.t_195), t_161)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_160' t_157 W_O1'", tr(s.N_1), tr(t_160), s.t_157, tr(s.W_O1)), (1, "N_1' A1' t_157 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_157, tr(V_W_O1)), (1, "N_1' A2' @t_184 W_O2'", tr(s.N_1), tr(s.A2), t_184, tr(s.W_O2)), (1, "N_1' A2' t_157 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_157, tr(V_W_O2)), (1, "N_1' @t_163' t_157 W_O2'", tr(s.N_1), tr(t_163), s.t_157, tr(s.W_O2)), (1, "N_1' A1' @t_184 W_O1'", tr(s.N_1), tr(s.A1), t_184, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_157", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_157), (1, "W_V' N_1' @t_160' t_157", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A1' @t_184", tr(s.W_V), tr(s.N_1), tr(s.A1), t_184, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_157", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_157), (1, "W_V' N_1' @t_163' t_157", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A2' @t_184", tr(s.W_V), tr(s.N_1), tr(s.A2), t_184, mean=True)))
-        out_W_1 = (s.mm("@t_167' t_150", tr(t_167), s.t_150, mean=True) + s.mm("N_2' @t_177", tr(s.N_2), t_177, mean=True))
-        out_W_3 = (s.mm("@t_167' t_152", tr(t_167), s.t_152, mean=True) + s.mm("N_2' @t_178", tr(s.N_2), t_178, mean=True))
-        out_W_2 = (s.mm("@t_170' G", tr(t_170), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_171, mean=True))
+        t_146 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_147 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_148 = lin((1, s.prod("t_37' @t_146", tr(s.t_37), t_146)), (1, s.prod("@t_147 t_5'", t_147, tr(s.t_5))))
+        t_149 = (1/math.sqrt(s.d_K)) * t_148
+        t_163 = softmax_diff2(s.A1, t_149, s.t_162)
+        t_164 = softmax_diff(s.A1, t_149)
+        t_165 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_166 = lin((1, s.prod("@t_165 t_5'", t_165, tr(s.t_5))), (1, s.prod("t_38' @t_146", tr(s.t_38), t_146)))
+        t_167 = (1/math.sqrt(s.d_K)) * t_166
+        t_168 = softmax_diff(s.A2, t_167)
+        t_169 = lin((1, s.mm_sum('r', (1, '@t_164 N_1 W_V W_O1', t_164, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_168 N_1 W_V W_O2', t_168, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_170 = s.mm('_ one', (t_169 * s.Y_2), s.one)
+        t_171 = (t_170 * s.t_51)
+        t_172 = lin((1, t_169, s.R_N_2), (2/s.d_V, t_171))
+        t_173 = lin((1, s.prod('@t_172 W_1', t_172, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_174 = lin((1, s.prod('@t_172 W_3', t_172, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_175 = ((s.t_91 * t_173) + (s.t_32 * t_174))
+        t_176 = lin((1, t_169), (1, s.prod('@t_175 W_2', t_175, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_181 = lin((2/(s.L*s.d_V), s.prod("@t_176 W_2'", t_176, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
+        t_182 = lin((1, s.t_177, t_173), (1, s.t_180, t_174), (1, s.t_91, t_181))
+        t_183 = ((s.t_180 * t_173) + (s.t_32 * t_181))
+        t_184 = lin((1, s.prod("@t_182 W_1'", t_182, tr(s.W_1))), (1, s.prod("@t_183 W_3'", t_183, tr(s.W_3))), (1, s.prod("t_154 @V_W_1'", s.t_154, tr(V_W_1))), (1, s.prod("t_156 @V_W_3'", s.t_156, tr(V_W_3))))
+        t_188 = lin((1, s.t_186, t_169), (2/s.d_V, s.t_51, t_184), (2/s.d_V, t_170, s.t_187))
+        t_189 = lin((2/(s.L*s.d_V), t_176), (1, t_184, s.R_N_2), (2/s.d_V, t_170, s.t_185), (1, s.t_160, t_169), (1, s.mm('@t_188 one', t_188, s.one), s.Y_2))
+        t_190 = s.mm_sum('r', (1, "@t_189 W_O1' W_V' N_1'", t_189, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_161 @V_W_O1' W_V' N_1'", s.t_161, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_161 W_O1' @V_W_V' N_1'", s.t_161, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_191 = softmax_diff(s.A1, t_190)
+        t_192 = (t_163 + t_191)
+        t_194 = lin((1, s.prod("@t_192 t_2'", t_192, tr(s.t_2))), (1, s.prod("t_193 @t_146'", s.t_193, tr(t_146))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_194 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_194 * s.C)), mean=True)
+        t_196 = softmax_diff2(s.A2, t_167, s.t_195)
+        t_197 = s.mm_sum('r', (1, "@t_189 W_O2' W_V' N_1'", t_189, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_161 W_O2' @V_W_V' N_1'", s.t_161, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_161 @V_W_O2' W_V' N_1'", s.t_161, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_198 = softmax_diff(s.A2, t_197)
+        t_199 = (t_196 + t_198)
+        t_201 = lin((1, s.prod("@t_199 t_2'", t_199, tr(s.t_2))), (1, s.prod("t_200 @t_146'", s.t_200, tr(t_146))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_201 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
+        t_202 = lin((1, s.prod("@t_192' t_37'", tr(t_192), tr(s.t_37))), (1, s.prod("@t_199' t_38'", tr(t_199), tr(s.t_38))), (1, s.prod("t_193' @t_147", tr(s.t_193), t_147)), (1, s.prod("t_200' @t_165", tr(s.t_200), t_165)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_164' t_161 W_O1'", tr(s.N_1), tr(t_164), s.t_161, tr(s.W_O1)), (1, "N_1' A1' t_161 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_161, tr(V_W_O1)), (1, "N_1' A2' @t_189 W_O2'", tr(s.N_1), tr(s.A2), t_189, tr(s.W_O2)), (1, "N_1' A2' t_161 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_161, tr(V_W_O2)), (1, "N_1' @t_168' t_161 W_O2'", tr(s.N_1), tr(t_168), s.t_161, tr(s.W_O2)), (1, "N_1' A1' @t_189 W_O1'", tr(s.N_1), tr(s.A1), t_189, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_161", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_161), (1, "W_V' N_1' @t_164' t_161", tr(s.W_V), tr(s.N_1), tr(t_164), s.t_161), mean=True)), (1, s.mm("W_V' N_1' A1' @t_189", tr(s.W_V), tr(s.N_1), tr(s.A1), t_189, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_161", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_161), (1, "W_V' N_1' @t_168' t_161", tr(s.W_V), tr(s.N_1), tr(t_168), s.t_161), mean=True)), (1, s.mm("W_V' N_1' A2' @t_189", tr(s.W_V), tr(s.N_1), tr(s.A2), t_189, mean=True)))
+        out_W_1 = (s.mm("@t_172' t_154", tr(t_172), s.t_154, mean=True) + s.mm("N_2' @t_182", tr(s.N_2), t_182, mean=True))
+        out_W_3 = (s.mm("@t_172' t_156", tr(t_172), s.t_156, mean=True) + s.mm("N_2' @t_183", tr(s.N_2), t_183, mean=True))
+        t_203 = (2/(s.L*s.d_V)) * t_176
+        out_W_2 = (s.mm("@t_175' G", tr(t_175), s.G, mean=True) + s.mm("t_15' @t_203", tr(s.t_15), t_203, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -3568,14 +3580,14 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "dc56e58742b01a1572925f8b"
+    STAMP = "e3fa795d24c607029316d4b8"
     RUNS = {
         "@V_W_K' N_1'": 2,
-        "@V_W_O1 t_162'": 2,
+        "@V_W_O1 t_165'": 2,
         "@V_W_O1 t_45'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
-        "@V_W_O2 t_162'": 2,
+        "@V_W_O2 t_165'": 2,
         "@V_W_O2 t_45'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
@@ -3592,37 +3604,37 @@ class ce_causal0(Forward):
         "@t_104' A1 N_1": 2,
         "@t_104' A2": 2,
         "@t_104' A2 N_1": 2,
-        '@t_116 N_1': 3,
-        '@t_116 N_1 W_V': 2,
-        "@t_116' t_45": 2,
-        '@t_119 N_1': 3,
-        '@t_119 N_1 W_V': 2,
-        "@t_119' t_45": 2,
-        "@t_132 W_O1'": 2,
-        "@t_132 W_O2'": 2,
-        "@t_132' A1": 2,
-        "@t_132' A1 N_1": 2,
-        "@t_132' A2": 2,
-        "@t_132' A2 N_1": 2,
-        '@t_166 N_1': 3,
-        '@t_166 N_1 W_V': 2,
-        "@t_166' t_162": 2,
+        '@t_117 N_1': 3,
+        '@t_117 N_1 W_V': 2,
+        "@t_117' t_45": 2,
+        '@t_121 N_1': 3,
+        '@t_121 N_1 W_V': 2,
+        "@t_121' t_45": 2,
+        "@t_134 W_O1'": 2,
+        "@t_134 W_O2'": 2,
+        "@t_134' A1": 2,
+        "@t_134' A1 N_1": 2,
+        "@t_134' A2": 2,
+        "@t_134' A2 N_1": 2,
         '@t_169 N_1': 3,
         '@t_169 N_1 W_V': 2,
-        "@t_169' t_162": 2,
-        "@t_190 W_O1'": 2,
-        "@t_190 W_O2'": 2,
-        "@t_190' A1": 2,
-        "@t_190' A1 N_1": 2,
-        "@t_190' A2": 2,
-        "@t_190' A2 N_1": 2,
+        "@t_169' t_165": 2,
+        '@t_173 N_1': 3,
+        '@t_173 N_1 W_V': 2,
+        "@t_173' t_165": 2,
+        "@t_194 W_O1'": 2,
+        "@t_194 W_O2'": 2,
+        "@t_194' A1": 2,
+        "@t_194' A1 N_1": 2,
+        "@t_194' A2": 2,
+        "@t_194' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_162": 2,
+        "A1' t_165": 2,
         "A1' t_45": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_162": 2,
+        "A2' t_165": 2,
         "A2' t_45": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
@@ -3633,19 +3645,19 @@ class ce_causal0(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_116' t_45": 2,
-        "N_1' @t_119' t_45": 2,
-        "N_1' @t_166' t_162": 2,
-        "N_1' @t_169' t_162": 2,
-        "N_1' A1' t_162": 2,
+        "N_1' @t_117' t_45": 2,
+        "N_1' @t_121' t_45": 2,
+        "N_1' @t_169' t_165": 2,
+        "N_1' @t_173' t_165": 2,
+        "N_1' A1' t_165": 2,
         "N_1' A1' t_45": 4,
-        "N_1' A2' t_162": 2,
+        "N_1' A2' t_165": 2,
         "N_1' A2' t_45": 4,
-        "W_O1 t_162'": 3,
+        "W_O1 t_165'": 3,
         "W_O1 t_28'": 2,
         "W_O1 t_45'": 5,
         "W_O1' W_V'": 13,
-        "W_O2 t_162'": 3,
+        "W_O2 t_165'": 3,
         "W_O2 t_28'": 2,
         "W_O2 t_45'": 5,
         "W_O2' W_V'": 13,
@@ -4064,128 +4076,128 @@ class ce_causal0(Forward):
         return (s.t_54 + s.t_55)
 
     @leaf
-    def t_113(s):
+    def t_114(s):
         return s.mm("t_45 W_O1' W_V' N_1'", s.t_45, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_115(s):
+    def t_116(s):
         return lin((1, s.t_58), (2, s.t_59))
 
     @leaf
-    def t_125(s):
+    def t_127(s):
         return (s.t_60 + s.t_61)
 
     @leaf
-    def t_136(s):
-        return softmax_diff(s.A1, s.t_113)
+    def t_138(s):
+        return softmax_diff(s.A1, s.t_114)
 
     @leaf
-    def t_138(s):
+    def t_140(s):
         return s.mm("t_45 W_O2' W_V' N_1'", s.t_45, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_143(s):
-        return softmax_diff(s.A2, s.t_138)
+    def t_145(s):
+        return softmax_diff(s.A2, s.t_140)
 
     @leaf
-    def t_146(s):
+    def t_148(s):
         return (tr(s.t_14) * tr(s.t_13))
 
     @leaf
-    def t_150(s):
+    def t_153(s):
         return (s.t_4 * s.t_18)
 
     @leaf
-    def t_151(s):
-        return (s.t_150 - s.Y)
-
-    @leaf
-    def t_152(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_153(s):
-        return mul(s.t_15, s.t_152, s.t_13, s.t_16)
-
-    @leaf
     def t_154(s):
-        return mul(s.t_14, s.t_152, s.t_16)
+        return (s.t_153 - s.Y)
 
     @leaf
     def t_155(s):
-        return (s.t_153 + s.t_154)
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
     def t_156(s):
-        return s.mm("t_155 W_1'", s.t_155, tr(s.W_1))
+        return mul(s.t_15, s.t_155, s.t_13, s.t_16)
 
     @leaf
     def t_157(s):
-        return mul(s.t_14, s.t_152, s.t_13)
+        return mul(s.t_14, s.t_155, s.t_16)
 
     @leaf
     def t_158(s):
-        return s.mm("t_157 W_3'", s.t_157, tr(s.W_3))
+        return (s.t_156 + s.t_157)
 
     @leaf
     def t_159(s):
-        return (s.t_156 + s.t_158)
+        return s.mm("t_158 W_1'", s.t_158, tr(s.W_1))
 
     @leaf
     def t_160(s):
-        return mul((2/s.d_V) * s.t_159, s.t_25, s.Y_2)
+        return mul(s.t_14, s.t_155, s.t_13)
 
     @leaf
     def t_161(s):
-        return s.mm('t_160 one', s.t_160, s.one)
+        return s.mm("t_160 W_3'", s.t_160, tr(s.W_3))
 
     @leaf
     def t_162(s):
-        return lin((1/s.L, s.t_151), (1, s.t_159, s.R_N_2), (1, s.t_161, s.Y_2))
+        return (s.t_159 + s.t_161)
 
     @leaf
     def t_163(s):
-        return s.mm("t_162 W_O1' W_V' N_1'", s.t_162, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return mul((2/s.d_V) * s.t_162, s.t_25, s.Y_2)
+
+    @leaf
+    def t_164(s):
+        return s.mm('t_163 one', s.t_163, s.one)
 
     @leaf
     def t_165(s):
-        return lin((1, mul(s.t_57, s.t_152, s.t_13), s.t_16), (2, (s.t_15 * s.t_152), s.t_16))
+        return lin((1/s.L, s.t_154), (1, s.t_162, s.R_N_2), (1, s.t_164, s.Y_2))
 
     @leaf
-    def t_180(s):
-        return mul(s.t_15, s.t_152, s.t_13)
+    def t_166(s):
+        return s.mm("t_165 W_O1' W_V' N_1'", s.t_165, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_181(s):
-        return (s.t_14 * s.t_152)
+    def t_168(s):
+        return lin((1, mul(s.t_57, s.t_155, s.t_13), s.t_16), (2, (s.t_15 * s.t_155), s.t_16))
 
     @leaf
-    def t_182(s):
-        return (s.t_180 + s.t_181)
+    def t_184(s):
+        return mul(s.t_15, s.t_155, s.t_13)
+
+    @leaf
+    def t_185(s):
+        return (s.t_14 * s.t_155)
 
     @leaf
     def t_186(s):
-        return (s.t_159 * s.t_25)
+        return (s.t_184 + s.t_185)
 
     @leaf
-    def t_187(s):
-        return ((2/s.d_V) * s.t_159 * s.t_25)
+    def t_190(s):
+        return (s.t_162 * s.t_25)
 
     @leaf
-    def t_188(s):
-        return mul((2/s.d_V) * s.t_159, s.t_63, s.Y_2)
+    def t_191(s):
+        return ((2/s.d_V) * s.t_162 * s.t_25)
 
     @leaf
-    def t_194(s):
-        return softmax_diff(s.A1, s.t_163)
+    def t_192(s):
+        return mul((2/s.d_V) * s.t_162, s.t_63, s.Y_2)
 
     @leaf
-    def t_196(s):
-        return s.mm("t_162 W_O2' W_V' N_1'", s.t_162, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_198(s):
+        return softmax_diff(s.A1, s.t_166)
 
     @leaf
-    def t_201(s):
-        return softmax_diff(s.A2, s.t_196)
+    def t_200(s):
+        return s.mm("t_165 W_O2' W_V' N_1'", s.t_165, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_205(s):
+        return softmax_diff(s.A2, s.t_200)
 
     @leaf
     def S_2(s):
@@ -5197,7 +5209,7 @@ class ce_causal0(Forward):
         t_101 = ((1/s.L) * s.t_88 * t_100)
         t_102 = (s.t_35 * t_100)
         t_103 = lin((1, s.prod("@t_101 W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("@t_102 W_3'", t_102, tr(s.W_3))))
-        t_104 = lin((1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2), (1/s.L, t_99))
+        t_104 = lin((1, t_103, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_53 * t_103), s.one), s.Y_2), (1/s.L, t_99))
         t_105 = softmax_diff(s.A1, s.mm("@t_104 W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_106 = s.mm("@t_105 t_2'", t_105, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), mean=True)
@@ -5205,7 +5217,7 @@ class ce_causal0(Forward):
         t_108 = s.mm("@t_107 t_2'", t_107, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_108 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
         t_109 = lin((1, s.prod("@t_105' t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("@t_107' t_41'", tr(t_107), tr(s.t_41))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.S), tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_109 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_109 * s.S), tr(s.R)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_104 W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' @t_104 W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
         out_W_O2 = s.mm("W_V' N_1' A2' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
@@ -5219,88 +5231,92 @@ class ce_causal0(Forward):
         t_110 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_111 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
         t_112 = lin((1, s.prod("t_40' @t_110", tr(s.t_40), t_110)), (1, s.prod("@t_111 t_7'", t_111, tr(s.t_7))))
-        t_114 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_112, s.t_113)
-        t_116 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_112)
-        t_117 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_118 = lin((1, s.prod("@t_117 t_7'", t_117, tr(s.t_7))), (1, s.prod("t_41' @t_110", tr(s.t_41), t_110)))
-        t_119 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_118)
-        t_120 = lin((1, s.mm_sum('r', (1, '@t_116 N_1 W_V W_O1', t_116, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_119 N_1 W_V W_O2', t_119, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_121 = s.mm('_ one', (t_120 * s.Y_2), s.one)
-        t_122 = (t_121 * s.t_53)
-        t_123 = lin((1, t_120, s.R_N_2), (2/s.d_V, t_122))
-        t_124 = lin((1, s.prod('@t_123 W_1', t_123, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_126 = lin((1, s.prod('@t_123 W_3', t_123, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_127 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
-        t_128 = lin((1, s.t_115, t_124), (1, s.t_125, t_126), (1, s.t_88, t_127))
-        t_129 = ((s.t_125 * t_124) + (s.t_35 * t_127))
-        t_130 = lin((1, s.prod("@t_128 W_1'", t_128, tr(s.W_1))), (1, s.prod("@t_129 W_3'", t_129, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
-        t_131 = lin((1, s.t_69, t_120), (1, s.t_53, (2/s.d_V) * t_130), (2/s.d_V, t_121, s.t_70))
-        t_132 = lin((1, t_130, s.R_N_2), (2/s.d_V, t_121, s.t_72), (1, s.t_44, t_120), (1, s.mm('@t_131 one', t_131, s.one), s.Y_2))
-        t_133 = s.mm_sum('r', (1, "@t_132 W_O1' W_V' N_1'", t_132, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O1' W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' @V_W_V' N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_134 = softmax_diff(s.A1, t_133)
-        t_135 = (t_114 + t_134)
-        t_137 = lin((1, s.prod("@t_135 t_2'", t_135, tr(s.t_2))), (1, s.prod("t_136 @t_110'", s.t_136, tr(t_110))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_137 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_137 * s.C)), mean=True)
-        t_139 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_118, s.t_138)
-        t_140 = s.mm_sum('r', (1, "@t_132 W_O2' W_V' N_1'", t_132, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' @V_W_V' N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_45 @V_W_O2' W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_141 = softmax_diff(s.A2, t_140)
-        t_142 = (t_139 + t_141)
-        t_144 = lin((1, s.prod("@t_142 t_2'", t_142, tr(s.t_2))), (1, s.prod("t_143 @t_110'", s.t_143, tr(t_110))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
-        t_145 = lin((1, s.prod("@t_135' t_40'", tr(t_135), tr(s.t_40))), (1, s.prod("@t_142' t_41'", tr(t_142), tr(s.t_41))), (1, s.prod("t_136' @t_111", tr(s.t_136), t_111)), (1, s.prod("t_143' @t_117", tr(s.t_143), t_117)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_116' t_45 W_O1'", tr(s.N_1), tr(t_116), s.t_45, tr(s.W_O1)), (1, "N_1' A1' t_45 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A1' @t_132 W_O1'", tr(s.N_1), tr(s.A1), t_132, tr(s.W_O1)), (1, "N_1' @t_119' t_45 W_O2'", tr(s.N_1), tr(t_119), s.t_45, tr(s.W_O2)), (1, "N_1' A2' @t_132 W_O2'", tr(s.N_1), tr(s.A2), t_132, tr(s.W_O2)), (1, "N_1' A2' t_45 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' @t_116' t_45", tr(s.W_V), tr(s.N_1), tr(t_116), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' @t_132", tr(s.W_V), tr(s.N_1), tr(s.A1), t_132, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' @t_119' t_45", tr(s.W_V), tr(s.N_1), tr(t_119), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' @t_132", tr(s.W_V), tr(s.N_1), tr(s.A2), t_132, mean=True)))
-        out_W_1 = (s.mm("@t_123' t_20", tr(t_123), s.t_20, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
-        out_W_3 = (s.mm("@t_123' t_21", tr(t_123), s.t_21, mean=True) + s.mm("N_2' @t_129", tr(s.N_2), t_129, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_124)) + (s.t_146 * tr(t_126))), s.G, mean=True)
+        t_113 = (1/math.sqrt(s.d_K)) * t_112
+        t_115 = softmax_diff2(s.A1, t_113, s.t_114)
+        t_117 = softmax_diff(s.A1, t_113)
+        t_118 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_119 = lin((1, s.prod("@t_118 t_7'", t_118, tr(s.t_7))), (1, s.prod("t_41' @t_110", tr(s.t_41), t_110)))
+        t_120 = (1/math.sqrt(s.d_K)) * t_119
+        t_121 = softmax_diff(s.A2, t_120)
+        t_122 = lin((1, s.mm_sum('r', (1, '@t_117 N_1 W_V W_O1', t_117, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_121 N_1 W_V W_O2', t_121, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_123 = s.mm('_ one', (t_122 * s.Y_2), s.one)
+        t_124 = (t_123 * s.t_53)
+        t_125 = lin((1, t_122, s.R_N_2), (2/s.d_V, t_124))
+        t_126 = lin((1, s.prod('@t_125 W_1', t_125, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_128 = lin((1, s.prod('@t_125 W_3', t_125, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_129 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_130 = lin((1, s.t_116, t_126), (1, s.t_127, t_128), (1, s.t_88, t_129))
+        t_131 = ((s.t_127 * t_126) + (s.t_35 * t_129))
+        t_132 = lin((1, s.prod("@t_130 W_1'", t_130, tr(s.W_1))), (1, s.prod("@t_131 W_3'", t_131, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
+        t_133 = lin((1, s.t_69, t_122), (2/s.d_V, s.t_53, t_132), (2/s.d_V, t_123, s.t_70))
+        t_134 = lin((1, t_132, s.R_N_2), (2/s.d_V, t_123, s.t_72), (1, s.t_44, t_122), (1, s.mm('@t_133 one', t_133, s.one), s.Y_2))
+        t_135 = s.mm_sum('r', (1, "@t_134 W_O1' W_V' N_1'", t_134, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O1' W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' @V_W_V' N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_136 = softmax_diff(s.A1, t_135)
+        t_137 = (t_115 + t_136)
+        t_139 = lin((1, s.prod("@t_137 t_2'", t_137, tr(s.t_2))), (1, s.prod("t_138 @t_110'", s.t_138, tr(t_110))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_139 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_139 * s.C)), mean=True)
+        t_141 = softmax_diff2(s.A2, t_120, s.t_140)
+        t_142 = s.mm_sum('r', (1, "@t_134 W_O2' W_V' N_1'", t_134, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' @V_W_V' N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_45 @V_W_O2' W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_143 = softmax_diff(s.A2, t_142)
+        t_144 = (t_141 + t_143)
+        t_146 = lin((1, s.prod("@t_144 t_2'", t_144, tr(s.t_2))), (1, s.prod("t_145 @t_110'", s.t_145, tr(t_110))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_146 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_146 * s.S), tr(s.R)), mean=True)
+        t_147 = lin((1, s.prod("@t_137' t_40'", tr(t_137), tr(s.t_40))), (1, s.prod("@t_144' t_41'", tr(t_144), tr(s.t_41))), (1, s.prod("t_138' @t_111", tr(s.t_138), t_111)), (1, s.prod("t_145' @t_118", tr(s.t_145), t_118)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_147 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_117' t_45 W_O1'", tr(s.N_1), tr(t_117), s.t_45, tr(s.W_O1)), (1, "N_1' A1' t_45 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A1' @t_134 W_O1'", tr(s.N_1), tr(s.A1), t_134, tr(s.W_O1)), (1, "N_1' @t_121' t_45 W_O2'", tr(s.N_1), tr(t_121), s.t_45, tr(s.W_O2)), (1, "N_1' A2' @t_134 W_O2'", tr(s.N_1), tr(s.A2), t_134, tr(s.W_O2)), (1, "N_1' A2' t_45 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' @t_117' t_45", tr(s.W_V), tr(s.N_1), tr(t_117), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' @t_134", tr(s.W_V), tr(s.N_1), tr(s.A1), t_134, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' @t_121' t_45", tr(s.W_V), tr(s.N_1), tr(t_121), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' @t_134", tr(s.W_V), tr(s.N_1), tr(s.A2), t_134, mean=True)))
+        out_W_1 = (s.mm("@t_125' t_20", tr(t_125), s.t_20, mean=True) + s.mm("N_2' @t_130", tr(s.N_2), t_130, mean=True))
+        out_W_3 = (s.mm("@t_125' t_21", tr(t_125), s.t_21, mean=True) + s.mm("N_2' @t_131", tr(s.N_2), t_131, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_126)) + (s.t_148 * tr(t_128))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_147 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_148 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_149 = lin((1, s.prod("t_40' @t_147", tr(s.t_40), t_147)), (1, s.prod("@t_148 t_7'", t_148, tr(s.t_7))))
-        t_164 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_149, s.t_163)
-        t_166 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_149)
-        t_167 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_168 = lin((1, s.prod("@t_167 t_7'", t_167, tr(s.t_7))), (1, s.prod("t_41' @t_147", tr(s.t_41), t_147)))
-        t_169 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_168)
-        t_170 = lin((1, s.mm_sum('r', (1, '@t_166 N_1 W_V W_O1', t_166, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_169 N_1 W_V W_O2', t_169, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_171 = s.mm('_ one', (t_170 * s.Y_2), s.one)
-        t_172 = (t_171 * s.t_53)
-        t_173 = lin((1, t_170, s.R_N_2), (2/s.d_V, t_172))
-        t_174 = lin((1, s.prod('@t_173 W_1', t_173, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_175 = lin((1, s.prod('@t_173 W_3', t_173, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_176 = ((s.t_88 * t_174) + (s.t_35 * t_175))
-        t_177 = lin((1, t_170), (1, s.prod('@t_176 W_2', t_176, s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
-        t_178 = (s.t_4 * softmax_diff(s.t_18, t_177))
-        t_179 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_178 W_2'", t_178, tr(s.W_2))))
-        t_183 = lin((1, s.t_165, t_174), (1, s.t_88, t_179), (1, s.t_182, t_175))
-        t_184 = ((s.t_182 * t_174) + (s.t_35 * t_179))
-        t_185 = lin((1, s.prod("@t_183 W_1'", t_183, tr(s.W_1))), (1, s.prod("@t_184 W_3'", t_184, tr(s.W_3))), (1, s.prod("t_155 @V_W_1'", s.t_155, tr(V_W_1))), (1, s.prod("t_157 @V_W_3'", s.t_157, tr(V_W_3))))
-        t_189 = lin((1, s.t_187, t_170), (1, s.t_53, (2/s.d_V) * t_185), (2/s.d_V, t_171, s.t_188))
-        t_190 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_171, s.t_186), (1, s.t_161, t_170), (1, s.mm('@t_189 one', t_189, s.one), s.Y_2), (1/s.L, t_178))
-        t_191 = s.mm_sum('r', (1, "@t_190 W_O1' W_V' N_1'", t_190, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O1' @V_W_V' N_1'", s.t_162, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_162 @V_W_O1' W_V' N_1'", s.t_162, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_192 = softmax_diff(s.A1, t_191)
-        t_193 = (t_164 + t_192)
-        t_195 = lin((1, s.prod("@t_193 t_2'", t_193, tr(s.t_2))), (1, s.prod("t_194 @t_147'", s.t_194, tr(t_147))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), mean=True)
-        t_197 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_168, s.t_196)
-        t_198 = s.mm_sum('r', (1, "@t_190 W_O2' W_V' N_1'", t_190, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O2' @V_W_V' N_1'", s.t_162, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_162 @V_W_O2' W_V' N_1'", s.t_162, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_199 = softmax_diff(s.A2, t_198)
-        t_200 = (t_197 + t_199)
-        t_202 = lin((1, s.prod("@t_200 t_2'", t_200, tr(s.t_2))), (1, s.prod("t_201 @t_147'", s.t_201, tr(t_147))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), mean=True)
-        t_203 = lin((1, s.prod("@t_193' t_40'", tr(t_193), tr(s.t_40))), (1, s.prod("@t_200' t_41'", tr(t_200), tr(s.t_41))), (1, s.prod("t_194' @t_148", tr(s.t_194), t_148)), (1, s.prod("t_201' @t_167", tr(s.t_201), t_167)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_169' t_162 W_O2'", tr(s.N_1), tr(t_169), s.t_162, tr(s.W_O2)), (1, "N_1' A2' t_162 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_162, tr(V_W_O2)), (1, "N_1' A2' @t_190 W_O2'", tr(s.N_1), tr(s.A2), t_190, tr(s.W_O2)), (1, "N_1' A1' t_162 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_162, tr(V_W_O1)), (1, "N_1' A1' @t_190 W_O1'", tr(s.N_1), tr(s.A1), t_190, tr(s.W_O1)), (1, "N_1' @t_166' t_162 W_O1'", tr(s.N_1), tr(t_166), s.t_162, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_162", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_162), (1, "W_V' N_1' @t_166' t_162", tr(s.W_V), tr(s.N_1), tr(t_166), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A1' @t_190", tr(s.W_V), tr(s.N_1), tr(s.A1), t_190, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_162", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_162), (1, "W_V' N_1' @t_169' t_162", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A2' @t_190", tr(s.W_V), tr(s.N_1), tr(s.A2), t_190, mean=True)))
-        out_W_1 = (s.mm("@t_173' t_155", tr(t_173), s.t_155, mean=True) + s.mm("N_2' @t_183", tr(s.N_2), t_183, mean=True))
-        out_W_3 = (s.mm("@t_173' t_157", tr(t_173), s.t_157, mean=True) + s.mm("N_2' @t_184", tr(s.N_2), t_184, mean=True))
-        out_W_2 = lin((1, s.mm("@t_176' G", tr(t_176), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_178", tr(s.t_17), t_178, mean=True)))
+        t_149 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_150 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_151 = lin((1, s.prod("t_40' @t_149", tr(s.t_40), t_149)), (1, s.prod("@t_150 t_7'", t_150, tr(s.t_7))))
+        t_152 = (1/math.sqrt(s.d_K)) * t_151
+        t_167 = softmax_diff2(s.A1, t_152, s.t_166)
+        t_169 = softmax_diff(s.A1, t_152)
+        t_170 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_171 = lin((1, s.prod("@t_170 t_7'", t_170, tr(s.t_7))), (1, s.prod("t_41' @t_149", tr(s.t_41), t_149)))
+        t_172 = (1/math.sqrt(s.d_K)) * t_171
+        t_173 = softmax_diff(s.A2, t_172)
+        t_174 = lin((1, s.mm_sum('r', (1, '@t_169 N_1 W_V W_O1', t_169, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_173 N_1 W_V W_O2', t_173, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_175 = s.mm('_ one', (t_174 * s.Y_2), s.one)
+        t_176 = (t_175 * s.t_53)
+        t_177 = lin((1, t_174, s.R_N_2), (2/s.d_V, t_176))
+        t_178 = lin((1, s.prod('@t_177 W_1', t_177, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_179 = lin((1, s.prod('@t_177 W_3', t_177, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_180 = ((s.t_88 * t_178) + (s.t_35 * t_179))
+        t_181 = lin((1, t_174), (1, s.prod('@t_180 W_2', t_180, s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
+        t_182 = (s.t_4 * softmax_diff(s.t_18, t_181))
+        t_183 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_182 W_2'", t_182, tr(s.W_2))))
+        t_187 = lin((1, s.t_168, t_178), (1, s.t_88, t_183), (1, s.t_186, t_179))
+        t_188 = ((s.t_186 * t_178) + (s.t_35 * t_183))
+        t_189 = lin((1, s.prod("@t_187 W_1'", t_187, tr(s.W_1))), (1, s.prod("@t_188 W_3'", t_188, tr(s.W_3))), (1, s.prod("t_158 @V_W_1'", s.t_158, tr(V_W_1))), (1, s.prod("t_160 @V_W_3'", s.t_160, tr(V_W_3))))
+        t_193 = lin((1, s.t_191, t_174), (2/s.d_V, s.t_53, t_189), (2/s.d_V, t_175, s.t_192))
+        t_194 = lin((1, t_189, s.R_N_2), (2/s.d_V, t_175, s.t_190), (1, s.t_164, t_174), (1, s.mm('@t_193 one', t_193, s.one), s.Y_2), (1/s.L, t_182))
+        t_195 = s.mm_sum('r', (1, "@t_194 W_O1' W_V' N_1'", t_194, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_165 W_O1' @V_W_V' N_1'", s.t_165, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_165 @V_W_O1' W_V' N_1'", s.t_165, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_196 = softmax_diff(s.A1, t_195)
+        t_197 = (t_167 + t_196)
+        t_199 = lin((1, s.prod("@t_197 t_2'", t_197, tr(s.t_2))), (1, s.prod("t_198 @t_149'", s.t_198, tr(t_149))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_199 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), mean=True)
+        t_201 = softmax_diff2(s.A2, t_172, s.t_200)
+        t_202 = s.mm_sum('r', (1, "@t_194 W_O2' W_V' N_1'", t_194, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_165 W_O2' @V_W_V' N_1'", s.t_165, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_165 @V_W_O2' W_V' N_1'", s.t_165, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_203 = softmax_diff(s.A2, t_202)
+        t_204 = (t_201 + t_203)
+        t_206 = lin((1, s.prod("@t_204 t_2'", t_204, tr(s.t_2))), (1, s.prod("t_205 @t_149'", s.t_205, tr(t_149))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_206 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_206 * s.C)), mean=True)
+        t_207 = lin((1, s.prod("@t_197' t_40'", tr(t_197), tr(s.t_40))), (1, s.prod("@t_204' t_41'", tr(t_204), tr(s.t_41))), (1, s.prod("t_198' @t_150", tr(s.t_198), t_150)), (1, s.prod("t_205' @t_170", tr(s.t_205), t_170)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_207 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_173' t_165 W_O2'", tr(s.N_1), tr(t_173), s.t_165, tr(s.W_O2)), (1, "N_1' A2' t_165 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_165, tr(V_W_O2)), (1, "N_1' A2' @t_194 W_O2'", tr(s.N_1), tr(s.A2), t_194, tr(s.W_O2)), (1, "N_1' A1' t_165 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_165, tr(V_W_O1)), (1, "N_1' A1' @t_194 W_O1'", tr(s.N_1), tr(s.A1), t_194, tr(s.W_O1)), (1, "N_1' @t_169' t_165 W_O1'", tr(s.N_1), tr(t_169), s.t_165, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_165", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_165), (1, "W_V' N_1' @t_169' t_165", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_165), mean=True)), (1, s.mm("W_V' N_1' A1' @t_194", tr(s.W_V), tr(s.N_1), tr(s.A1), t_194, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_165", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_165), (1, "W_V' N_1' @t_173' t_165", tr(s.W_V), tr(s.N_1), tr(t_173), s.t_165), mean=True)), (1, s.mm("W_V' N_1' A2' @t_194", tr(s.W_V), tr(s.N_1), tr(s.A2), t_194, mean=True)))
+        out_W_1 = (s.mm("@t_177' t_158", tr(t_177), s.t_158, mean=True) + s.mm("N_2' @t_187", tr(s.N_2), t_187, mean=True))
+        out_W_3 = (s.mm("@t_177' t_160", tr(t_177), s.t_160, mean=True) + s.mm("N_2' @t_188", tr(s.N_2), t_188, mean=True))
+        out_W_2 = lin((1, s.mm("@t_180' G", tr(t_180), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_182", tr(s.t_17), t_182, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -5308,14 +5324,14 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "99e6e0cbe7bee77a5812eff0"
+    STAMP = "364c10a51410cd86028bb577"
     RUNS = {
         "@V_W_K' N_1'": 2,
-        "@V_W_O1 t_162'": 2,
+        "@V_W_O1 t_165'": 2,
         "@V_W_O1 t_45'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
-        "@V_W_O2 t_162'": 2,
+        "@V_W_O2 t_165'": 2,
         "@V_W_O2 t_45'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
@@ -5332,37 +5348,37 @@ class ce_causal1(Forward):
         "@t_104' A1 N_1": 2,
         "@t_104' A2": 2,
         "@t_104' A2 N_1": 2,
-        '@t_116 N_1': 3,
-        '@t_116 N_1 W_V': 2,
-        "@t_116' t_45": 2,
-        '@t_119 N_1': 3,
-        '@t_119 N_1 W_V': 2,
-        "@t_119' t_45": 2,
-        "@t_132 W_O1'": 2,
-        "@t_132 W_O2'": 2,
-        "@t_132' A1": 2,
-        "@t_132' A1 N_1": 2,
-        "@t_132' A2": 2,
-        "@t_132' A2 N_1": 2,
-        '@t_166 N_1': 3,
-        '@t_166 N_1 W_V': 2,
-        "@t_166' t_162": 2,
+        '@t_117 N_1': 3,
+        '@t_117 N_1 W_V': 2,
+        "@t_117' t_45": 2,
+        '@t_121 N_1': 3,
+        '@t_121 N_1 W_V': 2,
+        "@t_121' t_45": 2,
+        "@t_134 W_O1'": 2,
+        "@t_134 W_O2'": 2,
+        "@t_134' A1": 2,
+        "@t_134' A1 N_1": 2,
+        "@t_134' A2": 2,
+        "@t_134' A2 N_1": 2,
         '@t_169 N_1': 3,
         '@t_169 N_1 W_V': 2,
-        "@t_169' t_162": 2,
-        "@t_190 W_O1'": 2,
-        "@t_190 W_O2'": 2,
-        "@t_190' A1": 2,
-        "@t_190' A1 N_1": 2,
-        "@t_190' A2": 2,
-        "@t_190' A2 N_1": 2,
+        "@t_169' t_165": 2,
+        '@t_173 N_1': 3,
+        '@t_173 N_1 W_V': 2,
+        "@t_173' t_165": 2,
+        "@t_194 W_O1'": 2,
+        "@t_194 W_O2'": 2,
+        "@t_194' A1": 2,
+        "@t_194' A1 N_1": 2,
+        "@t_194' A2": 2,
+        "@t_194' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_162": 2,
+        "A1' t_165": 2,
         "A1' t_45": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_162": 2,
+        "A2' t_165": 2,
         "A2' t_45": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
@@ -5373,19 +5389,19 @@ class ce_causal1(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_116' t_45": 2,
-        "N_1' @t_119' t_45": 2,
-        "N_1' @t_166' t_162": 2,
-        "N_1' @t_169' t_162": 2,
-        "N_1' A1' t_162": 2,
+        "N_1' @t_117' t_45": 2,
+        "N_1' @t_121' t_45": 2,
+        "N_1' @t_169' t_165": 2,
+        "N_1' @t_173' t_165": 2,
+        "N_1' A1' t_165": 2,
         "N_1' A1' t_45": 4,
-        "N_1' A2' t_162": 2,
+        "N_1' A2' t_165": 2,
         "N_1' A2' t_45": 4,
-        "W_O1 t_162'": 3,
+        "W_O1 t_165'": 3,
         "W_O1 t_28'": 2,
         "W_O1 t_45'": 5,
         "W_O1' W_V'": 13,
-        "W_O2 t_162'": 3,
+        "W_O2 t_165'": 3,
         "W_O2 t_28'": 2,
         "W_O2 t_45'": 5,
         "W_O2' W_V'": 13,
@@ -5804,128 +5820,128 @@ class ce_causal1(Forward):
         return (s.t_54 + s.t_55)
 
     @leaf
-    def t_113(s):
+    def t_114(s):
         return s.mm("t_45 W_O1' W_V' N_1'", s.t_45, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_115(s):
+    def t_116(s):
         return lin((1, s.t_58), (2, s.t_59))
 
     @leaf
-    def t_125(s):
+    def t_127(s):
         return (s.t_60 + s.t_61)
 
     @leaf
-    def t_136(s):
-        return softmax_diff(s.A1, s.t_113)
+    def t_138(s):
+        return softmax_diff(s.A1, s.t_114)
 
     @leaf
-    def t_138(s):
+    def t_140(s):
         return s.mm("t_45 W_O2' W_V' N_1'", s.t_45, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_143(s):
-        return softmax_diff(s.A2, s.t_138)
+    def t_145(s):
+        return softmax_diff(s.A2, s.t_140)
 
     @leaf
-    def t_146(s):
+    def t_148(s):
         return (tr(s.t_14) * tr(s.t_13))
 
     @leaf
-    def t_150(s):
+    def t_153(s):
         return (s.t_4 * s.t_18)
 
     @leaf
-    def t_151(s):
-        return (s.t_150 - s.Y)
-
-    @leaf
-    def t_152(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_153(s):
-        return mul(s.t_15, s.t_152, s.t_13, s.t_16)
-
-    @leaf
     def t_154(s):
-        return mul(s.t_14, s.t_152, s.t_16)
+        return (s.t_153 - s.Y)
 
     @leaf
     def t_155(s):
-        return (s.t_153 + s.t_154)
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
     def t_156(s):
-        return s.mm("t_155 W_1'", s.t_155, tr(s.W_1))
+        return mul(s.t_15, s.t_155, s.t_13, s.t_16)
 
     @leaf
     def t_157(s):
-        return mul(s.t_14, s.t_152, s.t_13)
+        return mul(s.t_14, s.t_155, s.t_16)
 
     @leaf
     def t_158(s):
-        return s.mm("t_157 W_3'", s.t_157, tr(s.W_3))
+        return (s.t_156 + s.t_157)
 
     @leaf
     def t_159(s):
-        return (s.t_156 + s.t_158)
+        return s.mm("t_158 W_1'", s.t_158, tr(s.W_1))
 
     @leaf
     def t_160(s):
-        return mul((2/s.d_V) * s.t_159, s.t_25, s.Y_2)
+        return mul(s.t_14, s.t_155, s.t_13)
 
     @leaf
     def t_161(s):
-        return s.mm('t_160 one', s.t_160, s.one)
+        return s.mm("t_160 W_3'", s.t_160, tr(s.W_3))
 
     @leaf
     def t_162(s):
-        return lin((1/s.L, s.t_151), (1, s.t_159, s.R_N_2), (1, s.t_161, s.Y_2))
+        return (s.t_159 + s.t_161)
 
     @leaf
     def t_163(s):
-        return s.mm("t_162 W_O1' W_V' N_1'", s.t_162, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return mul((2/s.d_V) * s.t_162, s.t_25, s.Y_2)
+
+    @leaf
+    def t_164(s):
+        return s.mm('t_163 one', s.t_163, s.one)
 
     @leaf
     def t_165(s):
-        return lin((1, mul(s.t_57, s.t_152, s.t_13), s.t_16), (2, (s.t_15 * s.t_152), s.t_16))
+        return lin((1/s.L, s.t_154), (1, s.t_162, s.R_N_2), (1, s.t_164, s.Y_2))
 
     @leaf
-    def t_180(s):
-        return mul(s.t_15, s.t_152, s.t_13)
+    def t_166(s):
+        return s.mm("t_165 W_O1' W_V' N_1'", s.t_165, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_181(s):
-        return (s.t_14 * s.t_152)
+    def t_168(s):
+        return lin((1, mul(s.t_57, s.t_155, s.t_13), s.t_16), (2, (s.t_15 * s.t_155), s.t_16))
 
     @leaf
-    def t_182(s):
-        return (s.t_180 + s.t_181)
+    def t_184(s):
+        return mul(s.t_15, s.t_155, s.t_13)
+
+    @leaf
+    def t_185(s):
+        return (s.t_14 * s.t_155)
 
     @leaf
     def t_186(s):
-        return (s.t_159 * s.t_25)
+        return (s.t_184 + s.t_185)
 
     @leaf
-    def t_187(s):
-        return ((2/s.d_V) * s.t_159 * s.t_25)
+    def t_190(s):
+        return (s.t_162 * s.t_25)
 
     @leaf
-    def t_188(s):
-        return mul((2/s.d_V) * s.t_159, s.t_63, s.Y_2)
+    def t_191(s):
+        return ((2/s.d_V) * s.t_162 * s.t_25)
 
     @leaf
-    def t_194(s):
-        return softmax_diff(s.A1, s.t_163)
+    def t_192(s):
+        return mul((2/s.d_V) * s.t_162, s.t_63, s.Y_2)
 
     @leaf
-    def t_196(s):
-        return s.mm("t_162 W_O2' W_V' N_1'", s.t_162, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_198(s):
+        return softmax_diff(s.A1, s.t_166)
 
     @leaf
-    def t_201(s):
-        return softmax_diff(s.A2, s.t_196)
+    def t_200(s):
+        return s.mm("t_165 W_O2' W_V' N_1'", s.t_165, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_205(s):
+        return softmax_diff(s.A2, s.t_200)
 
     @leaf
     def S_2(s):
@@ -6937,7 +6953,7 @@ class ce_causal1(Forward):
         t_101 = ((1/s.L) * s.t_88 * t_100)
         t_102 = (s.t_35 * t_100)
         t_103 = lin((1, s.prod("@t_101 W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("@t_102 W_3'", t_102, tr(s.W_3))))
-        t_104 = lin((1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2), (1/s.L, t_99))
+        t_104 = lin((1, t_103, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_53 * t_103), s.one), s.Y_2), (1/s.L, t_99))
         t_105 = softmax_diff(s.A1, s.mm("@t_104 W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_106 = s.mm("@t_105 t_2'", t_105, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
@@ -6945,7 +6961,7 @@ class ce_causal1(Forward):
         t_108 = s.mm("@t_107 t_2'", t_107, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_108 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
         t_109 = lin((1, s.prod("@t_105' t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("@t_107' t_41'", tr(t_107), tr(s.t_41))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.S), tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_109 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_109 * s.S), tr(s.R)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_104 W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' @t_104 W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
         out_W_O2 = s.mm("W_V' N_1' A2' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
@@ -6959,88 +6975,92 @@ class ce_causal1(Forward):
         t_110 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_111 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
         t_112 = lin((1, s.prod("t_40' @t_110", tr(s.t_40), t_110)), (1, s.prod("@t_111 t_7'", t_111, tr(s.t_7))))
-        t_114 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_112, s.t_113)
-        t_116 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_112)
-        t_117 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_118 = lin((1, s.prod("@t_117 t_7'", t_117, tr(s.t_7))), (1, s.prod("t_41' @t_110", tr(s.t_41), t_110)))
-        t_119 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_118)
-        t_120 = lin((1, s.mm_sum('r', (1, '@t_116 N_1 W_V W_O1', t_116, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_119 N_1 W_V W_O2', t_119, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_121 = s.mm('_ one', (t_120 * s.Y_2), s.one)
-        t_122 = (t_121 * s.t_53)
-        t_123 = lin((1, t_120, s.R_N_2), (2/s.d_V, t_122))
-        t_124 = lin((1, s.prod('@t_123 W_1', t_123, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_126 = lin((1, s.prod('@t_123 W_3', t_123, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_127 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
-        t_128 = lin((1, s.t_115, t_124), (1, s.t_125, t_126), (1, s.t_88, t_127))
-        t_129 = ((s.t_125 * t_124) + (s.t_35 * t_127))
-        t_130 = lin((1, s.prod("@t_128 W_1'", t_128, tr(s.W_1))), (1, s.prod("@t_129 W_3'", t_129, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
-        t_131 = lin((1, s.t_69, t_120), (1, s.t_53, (2/s.d_V) * t_130), (2/s.d_V, t_121, s.t_70))
-        t_132 = lin((1, t_130, s.R_N_2), (2/s.d_V, t_121, s.t_72), (1, s.t_44, t_120), (1, s.mm('@t_131 one', t_131, s.one), s.Y_2))
-        t_133 = s.mm_sum('r', (1, "@t_132 W_O1' W_V' N_1'", t_132, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O1' W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' @V_W_V' N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_134 = softmax_diff(s.A1, t_133)
-        t_135 = (t_114 + t_134)
-        t_137 = lin((1, s.prod("@t_135 t_2'", t_135, tr(s.t_2))), (1, s.prod("t_136 @t_110'", s.t_136, tr(t_110))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_137 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_137 * s.C)), mean=True)
-        t_139 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_118, s.t_138)
-        t_140 = s.mm_sum('r', (1, "@t_132 W_O2' W_V' N_1'", t_132, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O2' W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' @V_W_V' N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_141 = softmax_diff(s.A2, t_140)
-        t_142 = (t_139 + t_141)
-        t_144 = lin((1, s.prod("@t_142 t_2'", t_142, tr(s.t_2))), (1, s.prod("t_143 @t_110'", s.t_143, tr(t_110))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), mean=True)
-        t_145 = lin((1, s.prod("@t_135' t_40'", tr(t_135), tr(s.t_40))), (1, s.prod("@t_142' t_41'", tr(t_142), tr(s.t_41))), (1, s.prod("t_136' @t_111", tr(s.t_136), t_111)), (1, s.prod("t_143' @t_117", tr(s.t_143), t_117)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_45 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), (1, "N_1' @t_116' t_45 W_O1'", tr(s.N_1), tr(t_116), s.t_45, tr(s.W_O1)), (1, "N_1' A1' @t_132 W_O1'", tr(s.N_1), tr(s.A1), t_132, tr(s.W_O1)), (1, "N_1' A1' t_45 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A2' @t_132 W_O2'", tr(s.N_1), tr(s.A2), t_132, tr(s.W_O2)), (1, "N_1' @t_119' t_45 W_O2'", tr(s.N_1), tr(t_119), s.t_45, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' @t_116' t_45", tr(s.W_V), tr(s.N_1), tr(t_116), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' @t_132", tr(s.W_V), tr(s.N_1), tr(s.A1), t_132, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' @t_119' t_45", tr(s.W_V), tr(s.N_1), tr(t_119), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' @t_132", tr(s.W_V), tr(s.N_1), tr(s.A2), t_132, mean=True)))
-        out_W_1 = (s.mm("@t_123' t_20", tr(t_123), s.t_20, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
-        out_W_3 = (s.mm("@t_123' t_21", tr(t_123), s.t_21, mean=True) + s.mm("N_2' @t_129", tr(s.N_2), t_129, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_124)) + (s.t_146 * tr(t_126))), s.G, mean=True)
+        t_113 = (1/math.sqrt(s.d_K)) * t_112
+        t_115 = softmax_diff2(s.A1, t_113, s.t_114)
+        t_117 = softmax_diff(s.A1, t_113)
+        t_118 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_119 = lin((1, s.prod("@t_118 t_7'", t_118, tr(s.t_7))), (1, s.prod("t_41' @t_110", tr(s.t_41), t_110)))
+        t_120 = (1/math.sqrt(s.d_K)) * t_119
+        t_121 = softmax_diff(s.A2, t_120)
+        t_122 = lin((1, s.mm_sum('r', (1, '@t_117 N_1 W_V W_O1', t_117, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_121 N_1 W_V W_O2', t_121, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_123 = s.mm('_ one', (t_122 * s.Y_2), s.one)
+        t_124 = (t_123 * s.t_53)
+        t_125 = lin((1, t_122, s.R_N_2), (2/s.d_V, t_124))
+        t_126 = lin((1, s.prod('@t_125 W_1', t_125, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_128 = lin((1, s.prod('@t_125 W_3', t_125, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_129 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_130 = lin((1, s.t_116, t_126), (1, s.t_127, t_128), (1, s.t_88, t_129))
+        t_131 = ((s.t_127 * t_126) + (s.t_35 * t_129))
+        t_132 = lin((1, s.prod("@t_130 W_1'", t_130, tr(s.W_1))), (1, s.prod("@t_131 W_3'", t_131, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
+        t_133 = lin((1, s.t_69, t_122), (2/s.d_V, s.t_53, t_132), (2/s.d_V, t_123, s.t_70))
+        t_134 = lin((1, t_132, s.R_N_2), (2/s.d_V, t_123, s.t_72), (1, s.t_44, t_122), (1, s.mm('@t_133 one', t_133, s.one), s.Y_2))
+        t_135 = s.mm_sum('r', (1, "@t_134 W_O1' W_V' N_1'", t_134, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O1' W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' @V_W_V' N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_136 = softmax_diff(s.A1, t_135)
+        t_137 = (t_115 + t_136)
+        t_139 = lin((1, s.prod("@t_137 t_2'", t_137, tr(s.t_2))), (1, s.prod("t_138 @t_110'", s.t_138, tr(t_110))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_139 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_139 * s.C)), mean=True)
+        t_141 = softmax_diff2(s.A2, t_120, s.t_140)
+        t_142 = s.mm_sum('r', (1, "@t_134 W_O2' W_V' N_1'", t_134, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O2' W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' @V_W_V' N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_143 = softmax_diff(s.A2, t_142)
+        t_144 = (t_141 + t_143)
+        t_146 = lin((1, s.prod("@t_144 t_2'", t_144, tr(s.t_2))), (1, s.prod("t_145 @t_110'", s.t_145, tr(t_110))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_146 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_146 * s.C)), mean=True)
+        t_147 = lin((1, s.prod("@t_137' t_40'", tr(t_137), tr(s.t_40))), (1, s.prod("@t_144' t_41'", tr(t_144), tr(s.t_41))), (1, s.prod("t_138' @t_111", tr(s.t_138), t_111)), (1, s.prod("t_145' @t_118", tr(s.t_145), t_118)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_45 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), (1, "N_1' @t_117' t_45 W_O1'", tr(s.N_1), tr(t_117), s.t_45, tr(s.W_O1)), (1, "N_1' A1' @t_134 W_O1'", tr(s.N_1), tr(s.A1), t_134, tr(s.W_O1)), (1, "N_1' A1' t_45 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A2' @t_134 W_O2'", tr(s.N_1), tr(s.A2), t_134, tr(s.W_O2)), (1, "N_1' @t_121' t_45 W_O2'", tr(s.N_1), tr(t_121), s.t_45, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' @t_117' t_45", tr(s.W_V), tr(s.N_1), tr(t_117), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' @t_134", tr(s.W_V), tr(s.N_1), tr(s.A1), t_134, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' @t_121' t_45", tr(s.W_V), tr(s.N_1), tr(t_121), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' @t_134", tr(s.W_V), tr(s.N_1), tr(s.A2), t_134, mean=True)))
+        out_W_1 = (s.mm("@t_125' t_20", tr(t_125), s.t_20, mean=True) + s.mm("N_2' @t_130", tr(s.N_2), t_130, mean=True))
+        out_W_3 = (s.mm("@t_125' t_21", tr(t_125), s.t_21, mean=True) + s.mm("N_2' @t_131", tr(s.N_2), t_131, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_126)) + (s.t_148 * tr(t_128))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_147 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_148 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_149 = lin((1, s.prod("t_40' @t_147", tr(s.t_40), t_147)), (1, s.prod("@t_148 t_7'", t_148, tr(s.t_7))))
-        t_164 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_149, s.t_163)
-        t_166 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_149)
-        t_167 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_168 = lin((1, s.prod("@t_167 t_7'", t_167, tr(s.t_7))), (1, s.prod("t_41' @t_147", tr(s.t_41), t_147)))
-        t_169 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_168)
-        t_170 = lin((1, s.mm_sum('r', (1, '@t_166 N_1 W_V W_O1', t_166, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_169 N_1 W_V W_O2', t_169, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_171 = s.mm('_ one', (t_170 * s.Y_2), s.one)
-        t_172 = (t_171 * s.t_53)
-        t_173 = lin((1, t_170, s.R_N_2), (2/s.d_V, t_172))
-        t_174 = lin((1, s.prod('@t_173 W_1', t_173, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_175 = lin((1, s.prod('@t_173 W_3', t_173, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_176 = ((s.t_88 * t_174) + (s.t_35 * t_175))
-        t_177 = lin((1, t_170), (1, s.prod('@t_176 W_2', t_176, s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
-        t_178 = (s.t_4 * softmax_diff(s.t_18, t_177))
-        t_179 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_178 W_2'", t_178, tr(s.W_2))))
-        t_183 = lin((1, s.t_165, t_174), (1, s.t_88, t_179), (1, s.t_182, t_175))
-        t_184 = ((s.t_182 * t_174) + (s.t_35 * t_179))
-        t_185 = lin((1, s.prod("@t_183 W_1'", t_183, tr(s.W_1))), (1, s.prod("@t_184 W_3'", t_184, tr(s.W_3))), (1, s.prod("t_155 @V_W_1'", s.t_155, tr(V_W_1))), (1, s.prod("t_157 @V_W_3'", s.t_157, tr(V_W_3))))
-        t_189 = lin((1, s.t_187, t_170), (1, s.t_53, (2/s.d_V) * t_185), (2/s.d_V, t_171, s.t_188))
-        t_190 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_171, s.t_186), (1, s.t_161, t_170), (1, s.mm('@t_189 one', t_189, s.one), s.Y_2), (1/s.L, t_178))
-        t_191 = s.mm_sum('r', (1, "@t_190 W_O1' W_V' N_1'", t_190, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O1' @V_W_V' N_1'", s.t_162, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_162 @V_W_O1' W_V' N_1'", s.t_162, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_192 = softmax_diff(s.A1, t_191)
-        t_193 = (t_164 + t_192)
-        t_195 = lin((1, s.prod("@t_193 t_2'", t_193, tr(s.t_2))), (1, s.prod("t_194 @t_147'", s.t_194, tr(t_147))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), mean=True)
-        t_197 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_168, s.t_196)
-        t_198 = s.mm_sum('r', (1, "@t_190 W_O2' W_V' N_1'", t_190, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O2' @V_W_V' N_1'", s.t_162, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_162 @V_W_O2' W_V' N_1'", s.t_162, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_199 = softmax_diff(s.A2, t_198)
-        t_200 = (t_197 + t_199)
-        t_202 = lin((1, s.prod("@t_200 t_2'", t_200, tr(s.t_2))), (1, s.prod("t_201 @t_147'", s.t_201, tr(t_147))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
-        t_203 = lin((1, s.prod("@t_193' t_40'", tr(t_193), tr(s.t_40))), (1, s.prod("@t_200' t_41'", tr(t_200), tr(s.t_41))), (1, s.prod("t_194' @t_148", tr(s.t_194), t_148)), (1, s.prod("t_201' @t_167", tr(s.t_201), t_167)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_162 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_162, tr(V_W_O2)), (1, "N_1' @t_166' t_162 W_O1'", tr(s.N_1), tr(t_166), s.t_162, tr(s.W_O1)), (1, "N_1' A1' t_162 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_162, tr(V_W_O1)), (1, "N_1' A2' @t_190 W_O2'", tr(s.N_1), tr(s.A2), t_190, tr(s.W_O2)), (1, "N_1' A1' @t_190 W_O1'", tr(s.N_1), tr(s.A1), t_190, tr(s.W_O1)), (1, "N_1' @t_169' t_162 W_O2'", tr(s.N_1), tr(t_169), s.t_162, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_162", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_162), (1, "W_V' N_1' @t_166' t_162", tr(s.W_V), tr(s.N_1), tr(t_166), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A1' @t_190", tr(s.W_V), tr(s.N_1), tr(s.A1), t_190, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_162", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_162), (1, "W_V' N_1' @t_169' t_162", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A2' @t_190", tr(s.W_V), tr(s.N_1), tr(s.A2), t_190, mean=True)))
-        out_W_1 = (s.mm("@t_173' t_155", tr(t_173), s.t_155, mean=True) + s.mm("N_2' @t_183", tr(s.N_2), t_183, mean=True))
-        out_W_3 = (s.mm("@t_173' t_157", tr(t_173), s.t_157, mean=True) + s.mm("N_2' @t_184", tr(s.N_2), t_184, mean=True))
-        out_W_2 = lin((1, s.mm("@t_176' G", tr(t_176), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_178", tr(s.t_17), t_178, mean=True)))
+        t_149 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_150 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_151 = lin((1, s.prod("t_40' @t_149", tr(s.t_40), t_149)), (1, s.prod("@t_150 t_7'", t_150, tr(s.t_7))))
+        t_152 = (1/math.sqrt(s.d_K)) * t_151
+        t_167 = softmax_diff2(s.A1, t_152, s.t_166)
+        t_169 = softmax_diff(s.A1, t_152)
+        t_170 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_171 = lin((1, s.prod("@t_170 t_7'", t_170, tr(s.t_7))), (1, s.prod("t_41' @t_149", tr(s.t_41), t_149)))
+        t_172 = (1/math.sqrt(s.d_K)) * t_171
+        t_173 = softmax_diff(s.A2, t_172)
+        t_174 = lin((1, s.mm_sum('r', (1, '@t_169 N_1 W_V W_O1', t_169, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_173 N_1 W_V W_O2', t_173, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_175 = s.mm('_ one', (t_174 * s.Y_2), s.one)
+        t_176 = (t_175 * s.t_53)
+        t_177 = lin((1, t_174, s.R_N_2), (2/s.d_V, t_176))
+        t_178 = lin((1, s.prod('@t_177 W_1', t_177, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_179 = lin((1, s.prod('@t_177 W_3', t_177, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_180 = ((s.t_88 * t_178) + (s.t_35 * t_179))
+        t_181 = lin((1, t_174), (1, s.prod('@t_180 W_2', t_180, s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
+        t_182 = (s.t_4 * softmax_diff(s.t_18, t_181))
+        t_183 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_182 W_2'", t_182, tr(s.W_2))))
+        t_187 = lin((1, s.t_168, t_178), (1, s.t_88, t_183), (1, s.t_186, t_179))
+        t_188 = ((s.t_186 * t_178) + (s.t_35 * t_183))
+        t_189 = lin((1, s.prod("@t_187 W_1'", t_187, tr(s.W_1))), (1, s.prod("@t_188 W_3'", t_188, tr(s.W_3))), (1, s.prod("t_158 @V_W_1'", s.t_158, tr(V_W_1))), (1, s.prod("t_160 @V_W_3'", s.t_160, tr(V_W_3))))
+        t_193 = lin((1, s.t_191, t_174), (2/s.d_V, s.t_53, t_189), (2/s.d_V, t_175, s.t_192))
+        t_194 = lin((1, t_189, s.R_N_2), (2/s.d_V, t_175, s.t_190), (1, s.t_164, t_174), (1, s.mm('@t_193 one', t_193, s.one), s.Y_2), (1/s.L, t_182))
+        t_195 = s.mm_sum('r', (1, "@t_194 W_O1' W_V' N_1'", t_194, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_165 W_O1' @V_W_V' N_1'", s.t_165, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_165 @V_W_O1' W_V' N_1'", s.t_165, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_196 = softmax_diff(s.A1, t_195)
+        t_197 = (t_167 + t_196)
+        t_199 = lin((1, s.prod("@t_197 t_2'", t_197, tr(s.t_2))), (1, s.prod("t_198 @t_149'", s.t_198, tr(t_149))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_199 * s.C)), mean=True)
+        t_201 = softmax_diff2(s.A2, t_172, s.t_200)
+        t_202 = s.mm_sum('r', (1, "@t_194 W_O2' W_V' N_1'", t_194, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_165 W_O2' @V_W_V' N_1'", s.t_165, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_165 @V_W_O2' W_V' N_1'", s.t_165, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_203 = softmax_diff(s.A2, t_202)
+        t_204 = (t_201 + t_203)
+        t_206 = lin((1, s.prod("@t_204 t_2'", t_204, tr(s.t_2))), (1, s.prod("t_205 @t_149'", s.t_205, tr(t_149))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_206 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_206 * s.S), tr(s.R)), mean=True)
+        t_207 = lin((1, s.prod("@t_197' t_40'", tr(t_197), tr(s.t_40))), (1, s.prod("@t_204' t_41'", tr(t_204), tr(s.t_41))), (1, s.prod("t_198' @t_150", tr(s.t_198), t_150)), (1, s.prod("t_205' @t_170", tr(s.t_205), t_170)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_207 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_165 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_165, tr(V_W_O2)), (1, "N_1' @t_169' t_165 W_O1'", tr(s.N_1), tr(t_169), s.t_165, tr(s.W_O1)), (1, "N_1' A1' t_165 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_165, tr(V_W_O1)), (1, "N_1' A2' @t_194 W_O2'", tr(s.N_1), tr(s.A2), t_194, tr(s.W_O2)), (1, "N_1' A1' @t_194 W_O1'", tr(s.N_1), tr(s.A1), t_194, tr(s.W_O1)), (1, "N_1' @t_173' t_165 W_O2'", tr(s.N_1), tr(t_173), s.t_165, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_165", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_165), (1, "W_V' N_1' @t_169' t_165", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_165), mean=True)), (1, s.mm("W_V' N_1' A1' @t_194", tr(s.W_V), tr(s.N_1), tr(s.A1), t_194, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_165", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_165), (1, "W_V' N_1' @t_173' t_165", tr(s.W_V), tr(s.N_1), tr(t_173), s.t_165), mean=True)), (1, s.mm("W_V' N_1' A2' @t_194", tr(s.W_V), tr(s.N_1), tr(s.A2), t_194, mean=True)))
+        out_W_1 = (s.mm("@t_177' t_158", tr(t_177), s.t_158, mean=True) + s.mm("N_2' @t_187", tr(s.N_2), t_187, mean=True))
+        out_W_3 = (s.mm("@t_177' t_160", tr(t_177), s.t_160, mean=True) + s.mm("N_2' @t_188", tr(s.N_2), t_188, mean=True))
+        out_W_2 = lin((1, s.mm("@t_180' G", tr(t_180), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_182", tr(s.t_17), t_182, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -7050,4 +7070,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f1d36814e3dbaa9ac9472736"
+CHECKSUM = "de1647b640aeb6c014d5f3a0"

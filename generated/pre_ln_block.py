@@ -24,36 +24,36 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "3bfd73356ae22b9348116fe9"
+    STAMP = "7b76af28d4c63edc6a5c67c8"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
         "@V_W_V' N_1'": 2,
-        '@t_108 N_1': 2,
-        "@t_108' N_1": 2,
+        '@t_112 N_1': 2,
+        "@t_112' N_1": 2,
         '@t_51 N_1': 2,
         "@t_51' N_1": 2,
-        '@t_60 N_1': 2,
-        '@t_69 N_1': 2,
-        "@t_69' N_1": 2,
-        '@t_89 N_1': 2,
+        '@t_63 N_1': 2,
+        '@t_72 N_1': 2,
+        "@t_72' N_1": 2,
+        '@t_93 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
-        "N_1' @t_108 N_1": 2,
+        "N_1' @t_112 N_1": 2,
         "N_1' @t_51 N_1": 2,
-        "N_1' @t_69 N_1": 2,
-        "N_1' t_109": 2,
-        "N_1' t_109 N_1": 2,
-        "N_1' t_109'": 2,
+        "N_1' @t_72 N_1": 2,
+        "N_1' t_113": 2,
+        "N_1' t_113 N_1": 2,
+        "N_1' t_113'": 2,
         "N_1' t_20": 2,
         "N_1' t_20 N_1": 2,
         "N_1' t_20'": 3,
-        "N_1' t_70": 2,
-        "N_1' t_70 N_1": 2,
-        "N_1' t_70'": 2,
+        "N_1' t_73": 2,
+        "N_1' t_73 N_1": 2,
+        "N_1' t_73'": 2,
         "one' t_38'": 2,
     }
 
@@ -286,88 +286,88 @@ class mse_bias0_causal0(Forward):
         return (2/s.d_V) * s.t_18
 
     @leaf
-    def t_53(s):
+    def t_56(s):
         return s.mm('t_38 one', s.t_38, s.one)
 
     @leaf
-    def t_54(s):
-        return lin((1, s.t_18), ((1/2)*s.d_V, s.t_53))
+    def t_57(s):
+        return lin((1, s.t_18), ((1/2)*s.d_V, s.t_56))
 
     @leaf
-    def t_55(s):
-        return (2/s.d_V) * s.t_54
+    def t_58(s):
+        return (2/s.d_V) * s.t_57
 
     @leaf
-    def t_56(s):
-        return s.mm("t_55 W_V' N_1'", s.t_55, tr(s.W_V), tr(s.N_1))
+    def t_59(s):
+        return s.mm("t_58 W_V' N_1'", s.t_58, tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_70(s):
-        return softmax_diff(s.A, s.t_56)
+    def t_73(s):
+        return softmax_diff(s.A, s.t_59)
 
     @leaf
-    def t_72(s):
+    def t_75(s):
         return (tr(s.t_8) * tr(s.M_N_2))
 
     @leaf
-    def t_76(s):
+    def t_80(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_77(s):
+    def t_81(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_78(s):
-        return (s.t_9 * s.t_77)
-
-    @leaf
-    def t_79(s):
-        return s.mm("t_78 W_1'", s.t_78, tr(s.W_1))
-
-    @leaf
-    def t_80(s):
-        return mul(s.t_8, s.t_79, s.M_N_2)
-
-    @leaf
-    def t_81(s):
-        return s.mm('t_80 one', s.t_80, s.one)
-
-    @leaf
     def t_82(s):
-        return lin((1, s.t_81, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_79))
+        return (s.t_9 * s.t_81)
 
     @leaf
     def t_83(s):
-        return (-2/s.d_V**2) * s.t_82
+        return s.mm("t_82 W_1'", s.t_82, tr(s.W_1))
 
     @leaf
     def t_84(s):
-        return s.mm('t_83 one', s.t_83, s.one)
+        return mul(s.t_8, s.t_83, s.M_N_2)
 
     @leaf
     def t_85(s):
-        return lin((1/s.L, s.t_76), (1, s.t_82), ((1/2)*s.d_V, s.t_84))
+        return s.mm('t_84 one', s.t_84, s.one)
 
     @leaf
     def t_86(s):
-        return (2/s.d_V) * s.t_85
+        return lin((1, s.t_85, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_83))
 
     @leaf
     def t_87(s):
-        return s.mm("t_86 W_V' N_1'", s.t_86, tr(s.W_V), tr(s.N_1))
+        return (-2/s.d_V**2) * s.t_86
 
     @leaf
-    def t_101(s):
-        return (s.t_8 * s.t_79)
+    def t_88(s):
+        return s.mm('t_87 one', s.t_87, s.one)
 
     @leaf
-    def t_102(s):
-        return mul(s.t_30, s.t_79, s.M_N_2)
+    def t_89(s):
+        return lin((1/s.L, s.t_80), (1, s.t_86), ((1/2)*s.d_V, s.t_88))
 
     @leaf
-    def t_109(s):
-        return softmax_diff(s.A, s.t_87)
+    def t_90(s):
+        return (2/s.d_V) * s.t_89
+
+    @leaf
+    def t_91(s):
+        return s.mm("t_90 W_V' N_1'", s.t_90, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_105(s):
+        return (s.t_8 * s.t_83)
+
+    @leaf
+    def t_106(s):
+        return mul(s.t_30, s.t_83, s.M_N_2)
+
+    @leaf
+    def t_113(s):
+        return softmax_diff(s.A, s.t_91)
 
     @leaf
     def dA(s):
@@ -780,74 +780,79 @@ class mse_bias0_causal0(Forward):
         t_41 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_42 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_41), s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
         t_43 = lin((-s.d_V, t_42), (1, s.mm('@t_42 one', t_42, s.one)))
-        t_44 = lin((1, s.P_N_2, (-1/s.d_V) * t_43), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_43 * s.M_N_2), s.one), s.t_28))
+        t_44 = lin((-1/s.d_V, s.P_N_2, t_43), (2/s.d_V, (-1/s.d_V) * s.mm('_ one', (t_43 * s.M_N_2), s.one), s.t_28))
         t_45 = lin((1, s.prod('@t_44 W_1', t_44, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_46 = lin((1, t_42), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_45 * s.t_9), s.W_2)))
-        t_47 = (s.t_9 * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_46, tr(s.W_2)))
+        t_47 = (s.t_9 * (2/(s.L*s.d_V)) * s.mm("@t_46 W_2'", t_46, tr(s.W_2)))
         t_48 = s.mm("@t_47 W_1'", t_47, tr(s.W_1))
         t_49 = lin((1, s.mm('_ one', (s.t_28 * t_48), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_48))
-        t_50 = lin((1/s.L, t_46), (1, t_49), ((1/2)*s.d_V, s.mm('_ one', (-2/s.d_V**2) * t_49, s.one)))
-        t_51 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/s.d_V) * t_50, tr(s.W_V), tr(s.N_1)))
+        t_50 = lin((1/s.L, t_46), (1, t_49), ((1/2)*s.d_V, (-2/s.d_V**2) * s.mm('@t_49 one', t_49, s.one)))
+        t_51 = softmax_diff(s.A, (2/s.d_V) * s.mm("@t_50 W_V' N_1'", t_50, tr(s.W_V), tr(s.N_1)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_51 N_1 W_K", tr(s.N_1), t_51, s.N_1, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_51' N_1 W_Q", tr(s.N_1), tr(t_51), s.N_1, s.W_Q, mean=True)
-        out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_50, mean=True)
+        t_52 = (2/s.d_V) * t_50
+        out_W_V = s.mm("N_1' A' @t_52", tr(s.N_1), tr(s.A), t_52, mean=True)
         out_W_1 = s.mm("N_2' @t_47", tr(s.N_2), t_47, mean=True)
-        out_W_2 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_46, mean=True)
+        t_53 = (2/(s.L*s.d_V)) * t_46
+        out_W_2 = s.mm("t_10' @t_53", tr(s.t_10), t_53, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_52 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_57 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_52, s.t_56)
-        t_58 = (s.t_9 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
-        t_59 = lin((1, s.prod("t_11 @V_W_1'", s.t_11, tr(V_W_1))), (1, s.prod("@t_58 W_1'", t_58, tr(s.W_1))))
-        t_60 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_52)
-        t_61 = lin((1, s.prod('@t_60 N_1 W_V', t_60, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_62 = lin((-s.d_V, t_61), (1, s.mm('@t_61 one', t_61, s.one)))
-        t_63 = s.mm('_ one', ((-1/s.d_V) * t_62 * s.M_N_2), s.one)
-        t_64 = lin((1, s.t_28, t_59), (1, s.t_29, (-1/s.d_V) * t_62), (2/s.d_V, t_63, s.t_31))
-        t_65 = lin((1, s.P_N_2, t_59), (2/s.d_V, s.t_14, (-1/s.d_V) * t_62), (2/s.d_V, t_63, s.t_29), (2/s.d_V, s.mm('@t_64 one', t_64, s.one), s.M_N_2))
-        t_66 = lin((1, t_65), (1, s.mm('_ one', (-1/s.d_V) * t_65, s.one)))
-        t_67 = s.mm_sum('r', (1, "@t_66 W_V' N_1'", t_66, tr(s.W_V), tr(s.N_1)), (1, "t_55 @V_W_V' N_1'", s.t_55, tr(V_W_V), tr(s.N_1)))
-        t_68 = softmax_diff(s.A, t_67)
-        t_69 = (t_57 + t_68)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_69 N_1 W_K", tr(s.N_1), t_69, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_70 N_1 @V_W_K", tr(s.N_1), s.t_70, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_70' N_1 @V_W_Q", tr(s.N_1), tr(s.t_70), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_69' N_1 W_Q", tr(s.N_1), tr(t_69), s.N_1, s.W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_66", tr(s.N_1), tr(s.A), t_66), (1, "N_1' @t_60' t_55", tr(s.N_1), tr(t_60), s.t_55), mean=True)
-        t_71 = lin((-s.d_V, tr(t_61)), (1, s.mm("one_2 @t_61'", s.one_2, tr(t_61))))
-        t_73 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_71), (2/s.d_V, tr(t_63), s.t_72))
-        out_W_1 = (s.mm('@t_73 t_11', t_73, s.t_11, mean=True) + s.mm("N_2' @t_58", tr(s.N_2), t_58, mean=True))
-        t_74 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_73", tr(s.W_1), t_73)))
-        out_W_2 = s.mm('_ G', (t_74 * tr(s.t_9)), s.G, mean=True)
+        t_54 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_55 = (1/math.sqrt(s.d_K)) * t_54
+        t_60 = softmax_diff2(s.A, t_55, s.t_59)
+        t_61 = (s.t_9 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
+        t_62 = lin((1, s.prod("t_11 @V_W_1'", s.t_11, tr(V_W_1))), (1, s.prod("@t_61 W_1'", t_61, tr(s.W_1))))
+        t_63 = softmax_diff(s.A, t_55)
+        t_64 = lin((1, s.prod('@t_63 N_1 W_V', t_63, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_65 = lin((-s.d_V, t_64), (1, s.mm('@t_64 one', t_64, s.one)))
+        t_66 = (-1/s.d_V) * s.mm('_ one', (t_65 * s.M_N_2), s.one)
+        t_67 = lin((1, s.t_28, t_62), (-1/s.d_V, s.t_29, t_65), (2/s.d_V, t_66, s.t_31))
+        t_68 = lin((1, s.P_N_2, t_62), (-2/s.d_V**2, s.t_14, t_65), (2/s.d_V, t_66, s.t_29), (2/s.d_V, s.mm('@t_67 one', t_67, s.one), s.M_N_2))
+        t_69 = lin((1, t_68), (1, (-1/s.d_V) * s.mm('@t_68 one', t_68, s.one)))
+        t_70 = s.mm_sum('r', (1, "@t_69 W_V' N_1'", t_69, tr(s.W_V), tr(s.N_1)), (1, "t_58 @V_W_V' N_1'", s.t_58, tr(V_W_V), tr(s.N_1)))
+        t_71 = softmax_diff(s.A, t_70)
+        t_72 = (t_60 + t_71)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_72 N_1 W_K", tr(s.N_1), t_72, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_73 N_1 @V_W_K", tr(s.N_1), s.t_73, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_73' N_1 @V_W_Q", tr(s.N_1), tr(s.t_73), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_72' N_1 W_Q", tr(s.N_1), tr(t_72), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_69", tr(s.N_1), tr(s.A), t_69), (1, "N_1' @t_63' t_58", tr(s.N_1), tr(t_63), s.t_58), mean=True)
+        t_74 = lin((-s.d_V, tr(t_64)), (1, s.mm("one_2 @t_64'", s.one_2, tr(t_64))))
+        t_76 = lin((-1/s.d_V, tr(s.P_N_2), t_74), (2/s.d_V, tr(t_66), s.t_75))
+        out_W_1 = (s.mm('@t_76 t_11', t_76, s.t_11, mean=True) + s.mm("N_2' @t_61", tr(s.N_2), t_61, mean=True))
+        t_77 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_76", tr(s.W_1), t_76)))
+        out_W_2 = s.mm('_ G', (t_77 * tr(s.t_9)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_75 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_88 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_75, s.t_87)
-        t_89 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_75)
-        t_90 = lin((1, s.prod('@t_89 N_1 W_V', t_89, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_91 = lin((-s.d_V, t_90), (1, s.mm('@t_90 one', t_90, s.one)))
-        t_92 = s.mm('_ one', ((-1/s.d_V) * t_91 * s.M_N_2), s.one)
-        t_93 = (t_92 * s.t_28)
-        t_94 = lin((1, s.P_N_2, (-1/s.d_V) * t_91), (2/s.d_V, t_93))
-        t_95 = lin((1, s.prod('@t_94 W_1', t_94, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_96 = (t_95 * s.t_9)
-        t_97 = lin((1, t_90), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('@t_96 W_2', t_96, s.W_2)))
-        t_98 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_97, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
-        t_99 = (t_98 * s.t_9)
-        t_100 = lin((1, s.prod("@t_99 W_1'", t_99, tr(s.W_1))), (1, s.prod("t_78 @V_W_1'", s.t_78, tr(V_W_1))))
-        t_103 = lin((1, s.t_28, t_100), (1, s.t_101, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_102))
-        t_104 = lin((1, s.P_N_2, t_100), (2/s.d_V, s.t_81, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_101), (2/s.d_V, s.mm('@t_103 one', t_103, s.one), s.M_N_2))
-        t_105 = lin((2/(s.L*s.d_V), t_97), (1, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_104, s.one)))
-        t_106 = s.mm_sum('r', (1, "@t_105 W_V' N_1'", t_105, tr(s.W_V), tr(s.N_1)), (1, "t_86 @V_W_V' N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
-        t_107 = softmax_diff(s.A, t_106)
-        t_108 = (t_88 + t_107)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_108 N_1 W_K", tr(s.N_1), t_108, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_109 N_1 @V_W_K", tr(s.N_1), s.t_109, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_109' N_1 @V_W_Q", tr(s.N_1), tr(s.t_109), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_108' N_1 W_Q", tr(s.N_1), tr(t_108), s.N_1, s.W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_89' t_86", tr(s.N_1), tr(t_89), s.t_86), (1, "N_1' A' @t_105", tr(s.N_1), tr(s.A), t_105), mean=True)
-        out_W_1 = (s.mm("@t_94' t_78", tr(t_94), s.t_78, mean=True) + s.mm("N_2' @t_99", tr(s.N_2), t_99, mean=True))
-        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_97, mean=True) + s.mm("@t_96' G", tr(t_96), s.G, mean=True))
+        t_78 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_79 = (1/math.sqrt(s.d_K)) * t_78
+        t_92 = softmax_diff2(s.A, t_79, s.t_91)
+        t_93 = softmax_diff(s.A, t_79)
+        t_94 = lin((1, s.prod('@t_93 N_1 W_V', t_93, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_95 = lin((-s.d_V, t_94), (1, s.mm('@t_94 one', t_94, s.one)))
+        t_96 = (-1/s.d_V) * s.mm('_ one', (t_95 * s.M_N_2), s.one)
+        t_97 = (t_96 * s.t_28)
+        t_98 = lin((-1/s.d_V, s.P_N_2, t_95), (2/s.d_V, t_97))
+        t_99 = lin((1, s.prod('@t_98 W_1', t_98, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_100 = (t_99 * s.t_9)
+        t_101 = lin((1, t_94), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('@t_100 W_2', t_100, s.W_2)))
+        t_102 = lin((2/(s.L*s.d_V), s.prod("@t_101 W_2'", t_101, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
+        t_103 = (t_102 * s.t_9)
+        t_104 = lin((1, s.prod("@t_103 W_1'", t_103, tr(s.W_1))), (1, s.prod("t_82 @V_W_1'", s.t_82, tr(V_W_1))))
+        t_107 = lin((1, s.t_28, t_104), (-1/s.d_V, s.t_105, t_95), (2/s.d_V, t_96, s.t_106))
+        t_108 = lin((1, s.P_N_2, t_104), (-2/s.d_V**2, s.t_85, t_95), (2/s.d_V, t_96, s.t_105), (2/s.d_V, s.mm('@t_107 one', t_107, s.one), s.M_N_2))
+        t_109 = lin((2/(s.L*s.d_V), t_101), (1, t_108), (1, (-1/s.d_V) * s.mm('@t_108 one', t_108, s.one)))
+        t_110 = s.mm_sum('r', (1, "@t_109 W_V' N_1'", t_109, tr(s.W_V), tr(s.N_1)), (1, "t_90 @V_W_V' N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
+        t_111 = softmax_diff(s.A, t_110)
+        t_112 = (t_92 + t_111)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_112 N_1 W_K", tr(s.N_1), t_112, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_113 N_1 @V_W_K", tr(s.N_1), s.t_113, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_113' N_1 @V_W_Q", tr(s.N_1), tr(s.t_113), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_112' N_1 W_Q", tr(s.N_1), tr(t_112), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_93' t_90", tr(s.N_1), tr(t_93), s.t_90), (1, "N_1' A' @t_109", tr(s.N_1), tr(s.A), t_109), mean=True)
+        out_W_1 = (s.mm("@t_98' t_82", tr(t_98), s.t_82, mean=True) + s.mm("N_2' @t_103", tr(s.N_2), t_103, mean=True))
+        t_114 = (2/(s.L*s.d_V)) * t_101
+        out_W_2 = (s.mm("t_10' @t_114", tr(s.t_10), t_114, mean=True) + s.mm("@t_100' G", tr(t_100), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -859,36 +864,36 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "38813530774891f1dcc98f06"
+    STAMP = "a39fc9c39ff1eb6441d7e890"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
         "@V_W_V' N_1'": 2,
-        '@t_108 N_1': 2,
-        "@t_108' N_1": 2,
+        '@t_112 N_1': 2,
+        "@t_112' N_1": 2,
         '@t_51 N_1': 2,
         "@t_51' N_1": 2,
-        '@t_61 N_1': 2,
-        '@t_70 N_1': 2,
-        "@t_70' N_1": 2,
-        '@t_89 N_1': 2,
+        '@t_64 N_1': 2,
+        '@t_73 N_1': 2,
+        "@t_73' N_1": 2,
+        '@t_93 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
-        "N_1' @t_108 N_1": 2,
+        "N_1' @t_112 N_1": 2,
         "N_1' @t_51 N_1": 2,
-        "N_1' @t_70 N_1": 2,
-        "N_1' t_109": 2,
-        "N_1' t_109 N_1": 2,
-        "N_1' t_109'": 2,
+        "N_1' @t_73 N_1": 2,
+        "N_1' t_113": 2,
+        "N_1' t_113 N_1": 2,
+        "N_1' t_113'": 2,
         "N_1' t_20": 2,
         "N_1' t_20 N_1": 2,
         "N_1' t_20'": 3,
-        "N_1' t_56": 2,
-        "N_1' t_56 N_1": 2,
-        "N_1' t_56'": 2,
+        "N_1' t_58": 2,
+        "N_1' t_58 N_1": 2,
+        "N_1' t_58'": 2,
         "one' t_39'": 2,
     }
 
@@ -1121,88 +1126,88 @@ class mse_bias0_causal1(Forward):
         return s.mm("N_1' A' t_39 one", tr(s.N_1), tr(s.A), s.t_39, s.one)
 
     @leaf
-    def t_52(s):
+    def t_54(s):
         return s.mm('t_39 one', s.t_39, s.one)
 
     @leaf
-    def t_53(s):
-        return lin((1, s.t_18), ((1/2)*s.d_V, s.t_52))
-
-    @leaf
-    def t_54(s):
-        return (2/s.d_V) * s.t_53
-
-    @leaf
     def t_55(s):
-        return s.mm("t_54 W_V' N_1'", s.t_54, tr(s.W_V), tr(s.N_1))
+        return lin((1, s.t_18), ((1/2)*s.d_V, s.t_54))
 
     @leaf
     def t_56(s):
-        return softmax_diff(s.A, s.t_55)
+        return (2/s.d_V) * s.t_55
 
     @leaf
-    def t_72(s):
+    def t_57(s):
+        return s.mm("t_56 W_V' N_1'", s.t_56, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_58(s):
+        return softmax_diff(s.A, s.t_57)
+
+    @leaf
+    def t_75(s):
         return (tr(s.t_8) * tr(s.M_N_2))
 
     @leaf
-    def t_76(s):
+    def t_80(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_77(s):
+    def t_81(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_78(s):
-        return (s.t_9 * s.t_77)
-
-    @leaf
-    def t_79(s):
-        return s.mm("t_78 W_1'", s.t_78, tr(s.W_1))
-
-    @leaf
-    def t_80(s):
-        return mul(s.t_8, s.t_79, s.M_N_2)
-
-    @leaf
-    def t_81(s):
-        return s.mm('t_80 one', s.t_80, s.one)
-
-    @leaf
     def t_82(s):
-        return lin((1, s.t_81, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_79))
+        return (s.t_9 * s.t_81)
 
     @leaf
     def t_83(s):
-        return (-2/s.d_V**2) * s.t_82
+        return s.mm("t_82 W_1'", s.t_82, tr(s.W_1))
 
     @leaf
     def t_84(s):
-        return s.mm('t_83 one', s.t_83, s.one)
+        return mul(s.t_8, s.t_83, s.M_N_2)
 
     @leaf
     def t_85(s):
-        return lin((1/s.L, s.t_76), (1, s.t_82), ((1/2)*s.d_V, s.t_84))
+        return s.mm('t_84 one', s.t_84, s.one)
 
     @leaf
     def t_86(s):
-        return (2/s.d_V) * s.t_85
+        return lin((1, s.t_85, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_83))
 
     @leaf
     def t_87(s):
-        return s.mm("t_86 W_V' N_1'", s.t_86, tr(s.W_V), tr(s.N_1))
+        return (-2/s.d_V**2) * s.t_86
 
     @leaf
-    def t_101(s):
-        return (s.t_8 * s.t_79)
+    def t_88(s):
+        return s.mm('t_87 one', s.t_87, s.one)
 
     @leaf
-    def t_102(s):
-        return mul(s.t_30, s.t_79, s.M_N_2)
+    def t_89(s):
+        return lin((1/s.L, s.t_80), (1, s.t_86), ((1/2)*s.d_V, s.t_88))
 
     @leaf
-    def t_109(s):
-        return softmax_diff(s.A, s.t_87)
+    def t_90(s):
+        return (2/s.d_V) * s.t_89
+
+    @leaf
+    def t_91(s):
+        return s.mm("t_90 W_V' N_1'", s.t_90, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_105(s):
+        return (s.t_8 * s.t_83)
+
+    @leaf
+    def t_106(s):
+        return mul(s.t_30, s.t_83, s.M_N_2)
+
+    @leaf
+    def t_113(s):
+        return softmax_diff(s.A, s.t_91)
 
     @leaf
     def dA(s):
@@ -1615,74 +1620,79 @@ class mse_bias0_causal1(Forward):
         t_41 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_42 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_41), s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
         t_43 = lin((-s.d_V, t_42), (1, s.mm('@t_42 one', t_42, s.one)))
-        t_44 = lin((1, s.P_N_2, (-1/s.d_V) * t_43), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_43 * s.M_N_2), s.one), s.t_28))
+        t_44 = lin((-1/s.d_V, s.P_N_2, t_43), (2/s.d_V, (-1/s.d_V) * s.mm('_ one', (t_43 * s.M_N_2), s.one), s.t_28))
         t_45 = lin((1, s.prod('@t_44 W_1', t_44, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_46 = lin((1, t_42), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_45 * s.t_9), s.W_2)))
-        t_47 = (s.t_9 * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_46, tr(s.W_2)))
+        t_47 = (s.t_9 * (2/(s.L*s.d_V)) * s.mm("@t_46 W_2'", t_46, tr(s.W_2)))
         t_48 = s.mm("@t_47 W_1'", t_47, tr(s.W_1))
         t_49 = lin((1, s.mm('_ one', (s.t_28 * t_48), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_48))
-        t_50 = lin((1/s.L, t_46), (1, t_49), ((1/2)*s.d_V, s.mm('_ one', (-2/s.d_V**2) * t_49, s.one)))
-        t_51 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/s.d_V) * t_50, tr(s.W_V), tr(s.N_1)))
+        t_50 = lin((1/s.L, t_46), (1, t_49), ((1/2)*s.d_V, (-2/s.d_V**2) * s.mm('@t_49 one', t_49, s.one)))
+        t_51 = softmax_diff(s.A, (2/s.d_V) * s.mm("@t_50 W_V' N_1'", t_50, tr(s.W_V), tr(s.N_1)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_51 N_1 W_K", tr(s.N_1), t_51, s.N_1, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_51' N_1 W_Q", tr(s.N_1), tr(t_51), s.N_1, s.W_Q, mean=True)
-        out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_50, mean=True)
+        t_52 = (2/s.d_V) * t_50
+        out_W_V = s.mm("N_1' A' @t_52", tr(s.N_1), tr(s.A), t_52, mean=True)
         out_W_1 = s.mm("N_2' @t_47", tr(s.N_2), t_47, mean=True)
-        out_W_2 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_46, mean=True)
+        t_53 = (2/(s.L*s.d_V)) * t_46
+        out_W_2 = s.mm("t_10' @t_53", tr(s.t_10), t_53, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_57 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_58 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_57, s.t_55)
-        t_59 = (s.t_9 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
-        t_60 = lin((1, s.prod("t_11 @V_W_1'", s.t_11, tr(V_W_1))), (1, s.prod("@t_59 W_1'", t_59, tr(s.W_1))))
-        t_61 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_57)
-        t_62 = lin((1, s.prod('@t_61 N_1 W_V', t_61, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_63 = lin((-s.d_V, t_62), (1, s.mm('@t_62 one', t_62, s.one)))
-        t_64 = s.mm('_ one', ((-1/s.d_V) * t_63 * s.M_N_2), s.one)
-        t_65 = lin((1, s.t_28, t_60), (1, s.t_29, (-1/s.d_V) * t_63), (2/s.d_V, t_64, s.t_31))
-        t_66 = lin((1, s.P_N_2, t_60), (2/s.d_V, s.t_14, (-1/s.d_V) * t_63), (2/s.d_V, t_64, s.t_29), (2/s.d_V, s.mm('@t_65 one', t_65, s.one), s.M_N_2))
-        t_67 = lin((1, t_66), (1, s.mm('_ one', (-1/s.d_V) * t_66, s.one)))
-        t_68 = s.mm_sum('r', (1, "@t_67 W_V' N_1'", t_67, tr(s.W_V), tr(s.N_1)), (1, "t_54 @V_W_V' N_1'", s.t_54, tr(V_W_V), tr(s.N_1)))
-        t_69 = softmax_diff(s.A, t_68)
-        t_70 = (t_58 + t_69)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_56 N_1 @V_W_K", tr(s.N_1), s.t_56, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_70 N_1 W_K", tr(s.N_1), t_70, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_56' N_1 @V_W_Q", tr(s.N_1), tr(s.t_56), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_70' N_1 W_Q", tr(s.N_1), tr(t_70), s.N_1, s.W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_67", tr(s.N_1), tr(s.A), t_67), (1, "N_1' @t_61' t_54", tr(s.N_1), tr(t_61), s.t_54), mean=True)
-        t_71 = lin((-s.d_V, tr(t_62)), (1, s.mm("one_2 @t_62'", s.one_2, tr(t_62))))
-        t_73 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_71), (2/s.d_V, tr(t_64), s.t_72))
-        out_W_1 = (s.mm('@t_73 t_11', t_73, s.t_11, mean=True) + s.mm("N_2' @t_59", tr(s.N_2), t_59, mean=True))
-        t_74 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_73", tr(s.W_1), t_73)))
-        out_W_2 = s.mm('_ G', (t_74 * tr(s.t_9)), s.G, mean=True)
+        t_59 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_60 = (1/math.sqrt(s.d_K)) * t_59
+        t_61 = softmax_diff2(s.A, t_60, s.t_57)
+        t_62 = (s.t_9 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
+        t_63 = lin((1, s.prod("t_11 @V_W_1'", s.t_11, tr(V_W_1))), (1, s.prod("@t_62 W_1'", t_62, tr(s.W_1))))
+        t_64 = softmax_diff(s.A, t_60)
+        t_65 = lin((1, s.prod('@t_64 N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_66 = lin((-s.d_V, t_65), (1, s.mm('@t_65 one', t_65, s.one)))
+        t_67 = (-1/s.d_V) * s.mm('_ one', (t_66 * s.M_N_2), s.one)
+        t_68 = lin((1, s.t_28, t_63), (-1/s.d_V, s.t_29, t_66), (2/s.d_V, t_67, s.t_31))
+        t_69 = lin((1, s.P_N_2, t_63), (-2/s.d_V**2, s.t_14, t_66), (2/s.d_V, t_67, s.t_29), (2/s.d_V, s.mm('@t_68 one', t_68, s.one), s.M_N_2))
+        t_70 = lin((1, t_69), (1, (-1/s.d_V) * s.mm('@t_69 one', t_69, s.one)))
+        t_71 = s.mm_sum('r', (1, "@t_70 W_V' N_1'", t_70, tr(s.W_V), tr(s.N_1)), (1, "t_56 @V_W_V' N_1'", s.t_56, tr(V_W_V), tr(s.N_1)))
+        t_72 = softmax_diff(s.A, t_71)
+        t_73 = (t_61 + t_72)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_58 N_1 @V_W_K", tr(s.N_1), s.t_58, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_73 N_1 W_K", tr(s.N_1), t_73, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_58' N_1 @V_W_Q", tr(s.N_1), tr(s.t_58), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_73' N_1 W_Q", tr(s.N_1), tr(t_73), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_70", tr(s.N_1), tr(s.A), t_70), (1, "N_1' @t_64' t_56", tr(s.N_1), tr(t_64), s.t_56), mean=True)
+        t_74 = lin((-s.d_V, tr(t_65)), (1, s.mm("one_2 @t_65'", s.one_2, tr(t_65))))
+        t_76 = lin((-1/s.d_V, tr(s.P_N_2), t_74), (2/s.d_V, tr(t_67), s.t_75))
+        out_W_1 = (s.mm('@t_76 t_11', t_76, s.t_11, mean=True) + s.mm("N_2' @t_62", tr(s.N_2), t_62, mean=True))
+        t_77 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_76", tr(s.W_1), t_76)))
+        out_W_2 = s.mm('_ G', (t_77 * tr(s.t_9)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_75 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_88 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_75, s.t_87)
-        t_89 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_75)
-        t_90 = lin((1, s.prod('@t_89 N_1 W_V', t_89, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_91 = lin((-s.d_V, t_90), (1, s.mm('@t_90 one', t_90, s.one)))
-        t_92 = s.mm('_ one', ((-1/s.d_V) * t_91 * s.M_N_2), s.one)
-        t_93 = (t_92 * s.t_28)
-        t_94 = lin((1, s.P_N_2, (-1/s.d_V) * t_91), (2/s.d_V, t_93))
-        t_95 = lin((1, s.prod('@t_94 W_1', t_94, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_96 = (t_95 * s.t_9)
-        t_97 = lin((1, t_90), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('@t_96 W_2', t_96, s.W_2)))
-        t_98 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_97, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
-        t_99 = (t_98 * s.t_9)
-        t_100 = lin((1, s.prod("@t_99 W_1'", t_99, tr(s.W_1))), (1, s.prod("t_78 @V_W_1'", s.t_78, tr(V_W_1))))
-        t_103 = lin((1, s.t_28, t_100), (1, s.t_101, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_102))
-        t_104 = lin((1, s.P_N_2, t_100), (2/s.d_V, s.t_81, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_101), (2/s.d_V, s.mm('@t_103 one', t_103, s.one), s.M_N_2))
-        t_105 = lin((2/(s.L*s.d_V), t_97), (1, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_104, s.one)))
-        t_106 = s.mm_sum('r', (1, "@t_105 W_V' N_1'", t_105, tr(s.W_V), tr(s.N_1)), (1, "t_86 @V_W_V' N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
-        t_107 = softmax_diff(s.A, t_106)
-        t_108 = (t_88 + t_107)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_108 N_1 W_K", tr(s.N_1), t_108, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_109 N_1 @V_W_K", tr(s.N_1), s.t_109, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_109' N_1 @V_W_Q", tr(s.N_1), tr(s.t_109), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_108' N_1 W_Q", tr(s.N_1), tr(t_108), s.N_1, s.W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_105", tr(s.N_1), tr(s.A), t_105), (1, "N_1' @t_89' t_86", tr(s.N_1), tr(t_89), s.t_86), mean=True)
-        out_W_1 = (s.mm("@t_94' t_78", tr(t_94), s.t_78, mean=True) + s.mm("N_2' @t_99", tr(s.N_2), t_99, mean=True))
-        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_97, mean=True) + s.mm("@t_96' G", tr(t_96), s.G, mean=True))
+        t_78 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_79 = (1/math.sqrt(s.d_K)) * t_78
+        t_92 = softmax_diff2(s.A, t_79, s.t_91)
+        t_93 = softmax_diff(s.A, t_79)
+        t_94 = lin((1, s.prod('@t_93 N_1 W_V', t_93, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_95 = lin((-s.d_V, t_94), (1, s.mm('@t_94 one', t_94, s.one)))
+        t_96 = (-1/s.d_V) * s.mm('_ one', (t_95 * s.M_N_2), s.one)
+        t_97 = (t_96 * s.t_28)
+        t_98 = lin((-1/s.d_V, s.P_N_2, t_95), (2/s.d_V, t_97))
+        t_99 = lin((1, s.prod('@t_98 W_1', t_98, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_100 = (t_99 * s.t_9)
+        t_101 = lin((1, t_94), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('@t_100 W_2', t_100, s.W_2)))
+        t_102 = lin((2/(s.L*s.d_V), s.prod("@t_101 W_2'", t_101, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
+        t_103 = (t_102 * s.t_9)
+        t_104 = lin((1, s.prod("@t_103 W_1'", t_103, tr(s.W_1))), (1, s.prod("t_82 @V_W_1'", s.t_82, tr(V_W_1))))
+        t_107 = lin((1, s.t_28, t_104), (-1/s.d_V, s.t_105, t_95), (2/s.d_V, t_96, s.t_106))
+        t_108 = lin((1, s.P_N_2, t_104), (-2/s.d_V**2, s.t_85, t_95), (2/s.d_V, t_96, s.t_105), (2/s.d_V, s.mm('@t_107 one', t_107, s.one), s.M_N_2))
+        t_109 = lin((2/(s.L*s.d_V), t_101), (1, t_108), (1, (-1/s.d_V) * s.mm('@t_108 one', t_108, s.one)))
+        t_110 = s.mm_sum('r', (1, "@t_109 W_V' N_1'", t_109, tr(s.W_V), tr(s.N_1)), (1, "t_90 @V_W_V' N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
+        t_111 = softmax_diff(s.A, t_110)
+        t_112 = (t_92 + t_111)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_112 N_1 W_K", tr(s.N_1), t_112, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_113 N_1 @V_W_K", tr(s.N_1), s.t_113, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_113' N_1 @V_W_Q", tr(s.N_1), tr(s.t_113), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_112' N_1 W_Q", tr(s.N_1), tr(t_112), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_109", tr(s.N_1), tr(s.A), t_109), (1, "N_1' @t_93' t_90", tr(s.N_1), tr(t_93), s.t_90), mean=True)
+        out_W_1 = (s.mm("@t_98' t_82", tr(t_98), s.t_82, mean=True) + s.mm("N_2' @t_103", tr(s.N_2), t_103, mean=True))
+        t_114 = (2/(s.L*s.d_V)) * t_101
+        out_W_2 = (s.mm("t_10' @t_114", tr(s.t_10), t_114, mean=True) + s.mm("@t_100' G", tr(t_100), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -1694,36 +1704,36 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "c538f6039611ab016c42c19c"
+    STAMP = "cde2d38140bec00dab8cd3fd"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
         "@V_W_V' N_1'": 2,
-        '@t_114 N_1': 2,
-        "@t_114' N_1": 2,
+        '@t_117 N_1': 2,
+        "@t_117' N_1": 2,
         '@t_55 N_1': 2,
         "@t_55' N_1": 2,
-        '@t_64 N_1': 2,
-        '@t_73 N_1': 2,
-        "@t_73' N_1": 2,
-        '@t_94 N_1': 2,
+        '@t_66 N_1': 2,
+        '@t_75 N_1': 2,
+        "@t_75' N_1": 2,
+        '@t_97 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
-        "N_1' @t_114 N_1": 2,
+        "N_1' @t_117 N_1": 2,
         "N_1' @t_55 N_1": 2,
-        "N_1' @t_73 N_1": 2,
-        "N_1' t_115": 2,
-        "N_1' t_115 N_1": 2,
-        "N_1' t_115'": 2,
+        "N_1' @t_75 N_1": 2,
+        "N_1' t_118": 2,
+        "N_1' t_118 N_1": 2,
+        "N_1' t_118'": 2,
         "N_1' t_23": 2,
         "N_1' t_23 N_1": 2,
         "N_1' t_23'": 3,
-        "N_1' t_74": 2,
-        "N_1' t_74 N_1": 2,
-        "N_1' t_74'": 2,
+        "N_1' t_76": 2,
+        "N_1' t_76 N_1": 2,
+        "N_1' t_76'": 2,
         "one' t_41'": 2,
     }
 
@@ -1968,64 +1978,52 @@ class ce_bias0_causal0(Forward):
         return (2/s.d_V) * s.t_21
 
     @leaf
-    def t_57(s):
+    def t_59(s):
         return s.mm('t_41 one', s.t_41, s.one)
 
     @leaf
-    def t_58(s):
-        return lin((1, s.t_21), ((1/2)*s.d_V, s.t_57))
-
-    @leaf
-    def t_59(s):
-        return (2/s.d_V) * s.t_58
-
-    @leaf
     def t_60(s):
-        return s.mm("t_59 W_V' N_1'", s.t_59, tr(s.W_V), tr(s.N_1))
+        return lin((1, s.t_21), ((1/2)*s.d_V, s.t_59))
 
     @leaf
-    def t_74(s):
-        return softmax_diff(s.A, s.t_60)
+    def t_61(s):
+        return (2/s.d_V) * s.t_60
+
+    @leaf
+    def t_62(s):
+        return s.mm("t_61 W_V' N_1'", s.t_61, tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_76(s):
+        return softmax_diff(s.A, s.t_62)
+
+    @leaf
+    def t_78(s):
         return (tr(s.t_10) * tr(s.M_N_2))
 
     @leaf
-    def t_80(s):
+    def t_83(s):
         return (s.t_4 * s.t_13)
 
     @leaf
-    def t_81(s):
-        return (s.t_80 - s.Y)
-
-    @leaf
-    def t_82(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_83(s):
-        return (s.t_11 * s.t_82)
-
-    @leaf
     def t_84(s):
-        return s.mm("t_83 W_1'", s.t_83, tr(s.W_1))
+        return (s.t_83 - s.Y)
 
     @leaf
     def t_85(s):
-        return mul(s.t_10, s.t_84, s.M_N_2)
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
     def t_86(s):
-        return s.mm('t_85 one', s.t_85, s.one)
+        return (s.t_11 * s.t_85)
 
     @leaf
     def t_87(s):
-        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84))
+        return s.mm("t_86 W_1'", s.t_86, tr(s.W_1))
 
     @leaf
     def t_88(s):
-        return (-2/s.d_V**2) * s.t_87
+        return mul(s.t_10, s.t_87, s.M_N_2)
 
     @leaf
     def t_89(s):
@@ -2033,27 +2031,39 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_90(s):
-        return lin(((1/2)*s.d_V/s.L, s.t_81), (1, s.t_87), ((1/2)*s.d_V, s.t_89))
+        return lin((1, s.t_89, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_87))
 
     @leaf
     def t_91(s):
-        return (2/s.d_V) * s.t_90
+        return (-2/s.d_V**2) * s.t_90
 
     @leaf
     def t_92(s):
-        return s.mm("t_91 W_V' N_1'", s.t_91, tr(s.W_V), tr(s.N_1))
+        return s.mm('t_91 one', s.t_91, s.one)
 
     @leaf
-    def t_107(s):
-        return (s.t_10 * s.t_84)
+    def t_93(s):
+        return lin(((1/2)*s.d_V/s.L, s.t_84), (1, s.t_90), ((1/2)*s.d_V, s.t_92))
 
     @leaf
-    def t_108(s):
-        return mul(s.t_33, s.t_84, s.M_N_2)
+    def t_94(s):
+        return (2/s.d_V) * s.t_93
 
     @leaf
-    def t_115(s):
-        return softmax_diff(s.A, s.t_92)
+    def t_95(s):
+        return s.mm("t_94 W_V' N_1'", s.t_94, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_110(s):
+        return (s.t_10 * s.t_87)
+
+    @leaf
+    def t_111(s):
+        return mul(s.t_33, s.t_87, s.M_N_2)
+
+    @leaf
+    def t_118(s):
+        return softmax_diff(s.A, s.t_95)
 
     @leaf
     def dA(s):
@@ -2467,76 +2477,79 @@ class ce_bias0_causal0(Forward):
         t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_45 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_44), s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
         t_46 = lin((-s.d_V, t_45), (1, s.mm('@t_45 one', t_45, s.one)))
-        t_47 = lin((1, s.P_N_2, (-1/s.d_V) * t_46), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_46 * s.M_N_2), s.one), s.t_30))
+        t_47 = lin((-1/s.d_V, s.P_N_2, t_46), (2/s.d_V, (-1/s.d_V) * s.mm('_ one', (t_46 * s.M_N_2), s.one), s.t_30))
         t_48 = lin((1, s.prod('@t_47 W_1', t_47, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_49 = lin((1, t_45), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', (t_48 * s.t_11), s.W_2)))
         t_50 = (s.t_4 * softmax_diff(s.t_31, t_49))
         t_51 = (s.t_11 * s.mm("@t_50 W_2'", t_50, tr(s.W_2)))
         t_52 = s.mm("@t_51 W_1'", t_51, tr(s.W_1))
         t_53 = lin((1, s.mm('_ one', (s.t_30 * t_52), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_52))
-        t_54 = lin((1, t_53), ((1/2)*s.d_V, t_50), ((1/2)*s.L*s.d_V, s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_53, s.one)))
-        t_55 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/(s.L*s.d_V)) * t_54, tr(s.W_V), tr(s.N_1)))
+        t_54 = lin((1, t_53), ((1/2)*s.d_V, t_50), ((1/2)*s.L*s.d_V, (-2/(s.L*s.d_V**2)) * s.mm('@t_53 one', t_53, s.one)))
+        t_55 = softmax_diff(s.A, (2/(s.L*s.d_V)) * s.mm("@t_54 W_V' N_1'", t_54, tr(s.W_V), tr(s.N_1)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_55 N_1 W_K", tr(s.N_1), t_55, s.N_1, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_55' N_1 W_Q", tr(s.N_1), tr(t_55), s.N_1, s.W_Q, mean=True)
-        out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_54, mean=True)
+        t_56 = (2/(s.L*s.d_V)) * t_54
+        out_W_V = s.mm("N_1' A' @t_56", tr(s.N_1), tr(s.A), t_56, mean=True)
         out_W_1 = (1/s.L) * s.mm("N_2' @t_51", tr(s.N_2), t_51, mean=True)
         out_W_2 = (1/s.L) * s.mm("t_12' @t_50", tr(s.t_12), t_50, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_56 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_61 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_56, s.t_60)
-        t_62 = (s.t_11 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
-        t_63 = lin((1, s.prod("@t_62 W_1'", t_62, tr(s.W_1))), (1, s.prod("t_14 @V_W_1'", s.t_14, tr(V_W_1))))
-        t_64 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_56)
-        t_65 = lin((1, s.prod('@t_64 N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_66 = lin((-s.d_V, t_65), (1, s.mm('@t_65 one', t_65, s.one)))
-        t_67 = s.mm('_ one', ((-1/s.d_V) * t_66 * s.M_N_2), s.one)
-        t_68 = lin((1, s.t_30, t_63), (1, s.t_32, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_34))
-        t_69 = lin((1, s.P_N_2, t_63), (2/s.d_V, s.t_17, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_32), (2/s.d_V, s.mm('@t_68 one', t_68, s.one), s.M_N_2))
-        t_70 = lin((1, t_69), (1, s.mm('_ one', (-1/s.d_V) * t_69, s.one)))
-        t_71 = s.mm_sum('r', (1, "@t_70 W_V' N_1'", t_70, tr(s.W_V), tr(s.N_1)), (1, "t_59 @V_W_V' N_1'", s.t_59, tr(V_W_V), tr(s.N_1)))
-        t_72 = softmax_diff(s.A, t_71)
-        t_73 = (t_61 + t_72)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_73 N_1 W_K", tr(s.N_1), t_73, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_74 N_1 @V_W_K", tr(s.N_1), s.t_74, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_73' N_1 W_Q", tr(s.N_1), tr(t_73), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_74' N_1 @V_W_Q", tr(s.N_1), tr(s.t_74), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_64' t_59", tr(s.N_1), tr(t_64), s.t_59), (1, "N_1' A' @t_70", tr(s.N_1), tr(s.A), t_70), mean=True)
-        t_75 = lin((-s.d_V, tr(t_65)), (1, s.mm("one_2 @t_65'", s.one_2, tr(t_65))))
-        t_77 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_75), (2/s.d_V, tr(t_67), s.t_76))
-        out_W_1 = (s.mm('@t_77 t_14', t_77, s.t_14, mean=True) + s.mm("N_2' @t_62", tr(s.N_2), t_62, mean=True))
-        t_78 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_77", tr(s.W_1), t_77)))
-        out_W_2 = s.mm('_ G', (t_78 * tr(s.t_11)), s.G, mean=True)
+        t_57 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_58 = (1/math.sqrt(s.d_K)) * t_57
+        t_63 = softmax_diff2(s.A, t_58, s.t_62)
+        t_64 = (s.t_11 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
+        t_65 = lin((1, s.prod("@t_64 W_1'", t_64, tr(s.W_1))), (1, s.prod("t_14 @V_W_1'", s.t_14, tr(V_W_1))))
+        t_66 = softmax_diff(s.A, t_58)
+        t_67 = lin((1, s.prod('@t_66 N_1 W_V', t_66, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_68 = lin((-s.d_V, t_67), (1, s.mm('@t_67 one', t_67, s.one)))
+        t_69 = (-1/s.d_V) * s.mm('_ one', (t_68 * s.M_N_2), s.one)
+        t_70 = lin((1, s.t_30, t_65), (-1/s.d_V, s.t_32, t_68), (2/s.d_V, t_69, s.t_34))
+        t_71 = lin((1, s.P_N_2, t_65), (-2/s.d_V**2, s.t_17, t_68), (2/s.d_V, t_69, s.t_32), (2/s.d_V, s.mm('@t_70 one', t_70, s.one), s.M_N_2))
+        t_72 = lin((1, t_71), (1, (-1/s.d_V) * s.mm('@t_71 one', t_71, s.one)))
+        t_73 = s.mm_sum('r', (1, "@t_72 W_V' N_1'", t_72, tr(s.W_V), tr(s.N_1)), (1, "t_61 @V_W_V' N_1'", s.t_61, tr(V_W_V), tr(s.N_1)))
+        t_74 = softmax_diff(s.A, t_73)
+        t_75 = (t_63 + t_74)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_75 N_1 W_K", tr(s.N_1), t_75, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_76 N_1 @V_W_K", tr(s.N_1), s.t_76, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_75' N_1 W_Q", tr(s.N_1), tr(t_75), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_76' N_1 @V_W_Q", tr(s.N_1), tr(s.t_76), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_66' t_61", tr(s.N_1), tr(t_66), s.t_61), (1, "N_1' A' @t_72", tr(s.N_1), tr(s.A), t_72), mean=True)
+        t_77 = lin((-s.d_V, tr(t_67)), (1, s.mm("one_2 @t_67'", s.one_2, tr(t_67))))
+        t_79 = lin((-1/s.d_V, tr(s.P_N_2), t_77), (2/s.d_V, tr(t_69), s.t_78))
+        out_W_1 = (s.mm('@t_79 t_14', t_79, s.t_14, mean=True) + s.mm("N_2' @t_64", tr(s.N_2), t_64, mean=True))
+        t_80 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_79", tr(s.W_1), t_79)))
+        out_W_2 = s.mm('_ G', (t_80 * tr(s.t_11)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_79 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_93 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_79, s.t_92)
-        t_94 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_79)
-        t_95 = lin((1, s.prod('@t_94 N_1 W_V', t_94, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_96 = lin((-s.d_V, t_95), (1, s.mm('@t_95 one', t_95, s.one)))
-        t_97 = s.mm('_ one', ((-1/s.d_V) * t_96 * s.M_N_2), s.one)
-        t_98 = (t_97 * s.t_30)
-        t_99 = lin((1, s.P_N_2, (-1/s.d_V) * t_96), (2/s.d_V, t_98))
-        t_100 = lin((1, s.prod('@t_99 W_1', t_99, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_101 = (t_100 * s.t_11)
-        t_102 = lin((1, t_95), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_101 W_2', t_101, s.W_2)))
-        t_103 = (s.t_4 * softmax_diff(s.t_13, t_102))
-        t_104 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_103 W_2'", t_103, tr(s.W_2))))
-        t_105 = (t_104 * s.t_11)
-        t_106 = lin((1, s.prod("@t_105 W_1'", t_105, tr(s.W_1))), (1, s.prod("t_83 @V_W_1'", s.t_83, tr(V_W_1))))
-        t_109 = lin((1, s.t_30, t_106), (1, s.t_107, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_108))
-        t_110 = lin((1, s.P_N_2, t_106), (2/s.d_V, s.t_86, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_107), (2/s.d_V, s.mm('@t_109 one', t_109, s.one), s.M_N_2))
-        t_111 = lin((1, t_110), (1/s.L, t_103), (1, s.mm('_ one', (-1/s.d_V) * t_110, s.one)))
-        t_112 = s.mm_sum('r', (1, "@t_111 W_V' N_1'", t_111, tr(s.W_V), tr(s.N_1)), (1, "t_91 @V_W_V' N_1'", s.t_91, tr(V_W_V), tr(s.N_1)))
-        t_113 = softmax_diff(s.A, t_112)
-        t_114 = (t_93 + t_113)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_114 N_1 W_K", tr(s.N_1), t_114, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_115 N_1 @V_W_K", tr(s.N_1), s.t_115, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_114' N_1 W_Q", tr(s.N_1), tr(t_114), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_115' N_1 @V_W_Q", tr(s.N_1), tr(s.t_115), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_111", tr(s.N_1), tr(s.A), t_111), (1, "N_1' @t_94' t_91", tr(s.N_1), tr(t_94), s.t_91), mean=True)
-        out_W_1 = (s.mm("@t_99' t_83", tr(t_99), s.t_83, mean=True) + s.mm("N_2' @t_105", tr(s.N_2), t_105, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' @t_103", tr(s.t_12), t_103, mean=True)), (1, s.mm("@t_101' G", tr(t_101), s.G, mean=True)))
+        t_81 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_82 = (1/math.sqrt(s.d_K)) * t_81
+        t_96 = softmax_diff2(s.A, t_82, s.t_95)
+        t_97 = softmax_diff(s.A, t_82)
+        t_98 = lin((1, s.prod('@t_97 N_1 W_V', t_97, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_99 = lin((-s.d_V, t_98), (1, s.mm('@t_98 one', t_98, s.one)))
+        t_100 = (-1/s.d_V) * s.mm('_ one', (t_99 * s.M_N_2), s.one)
+        t_101 = (t_100 * s.t_30)
+        t_102 = lin((-1/s.d_V, s.P_N_2, t_99), (2/s.d_V, t_101))
+        t_103 = lin((1, s.prod('@t_102 W_1', t_102, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_104 = (t_103 * s.t_11)
+        t_105 = lin((1, t_98), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_104 W_2', t_104, s.W_2)))
+        t_106 = (s.t_4 * softmax_diff(s.t_13, t_105))
+        t_107 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_106 W_2'", t_106, tr(s.W_2))))
+        t_108 = (t_107 * s.t_11)
+        t_109 = lin((1, s.prod("@t_108 W_1'", t_108, tr(s.W_1))), (1, s.prod("t_86 @V_W_1'", s.t_86, tr(V_W_1))))
+        t_112 = lin((1, s.t_30, t_109), (-1/s.d_V, s.t_110, t_99), (2/s.d_V, t_100, s.t_111))
+        t_113 = lin((1, s.P_N_2, t_109), (-2/s.d_V**2, s.t_89, t_99), (2/s.d_V, t_100, s.t_110), (2/s.d_V, s.mm('@t_112 one', t_112, s.one), s.M_N_2))
+        t_114 = lin((1, t_113), (1/s.L, t_106), (1, (-1/s.d_V) * s.mm('@t_113 one', t_113, s.one)))
+        t_115 = s.mm_sum('r', (1, "@t_114 W_V' N_1'", t_114, tr(s.W_V), tr(s.N_1)), (1, "t_94 @V_W_V' N_1'", s.t_94, tr(V_W_V), tr(s.N_1)))
+        t_116 = softmax_diff(s.A, t_115)
+        t_117 = (t_96 + t_116)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_117 N_1 W_K", tr(s.N_1), t_117, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_118 N_1 @V_W_K", tr(s.N_1), s.t_118, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_117' N_1 W_Q", tr(s.N_1), tr(t_117), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_118' N_1 @V_W_Q", tr(s.N_1), tr(s.t_118), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_114", tr(s.N_1), tr(s.A), t_114), (1, "N_1' @t_97' t_94", tr(s.N_1), tr(t_97), s.t_94), mean=True)
+        out_W_1 = (s.mm("@t_102' t_86", tr(t_102), s.t_86, mean=True) + s.mm("N_2' @t_108", tr(s.N_2), t_108, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' @t_106", tr(s.t_12), t_106, mean=True)), (1, s.mm("@t_104' G", tr(t_104), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -2548,36 +2561,36 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "670b2779612cbc47f51ca48c"
+    STAMP = "a004b001a5043a8c1054d74d"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
         "@V_W_V' N_1'": 2,
-        '@t_115 N_1': 2,
-        "@t_115' N_1": 2,
+        '@t_118 N_1': 2,
+        "@t_118' N_1": 2,
         '@t_55 N_1': 2,
         "@t_55' N_1": 2,
-        '@t_65 N_1': 2,
-        '@t_74 N_1': 2,
-        "@t_74' N_1": 2,
-        '@t_95 N_1': 2,
+        '@t_67 N_1': 2,
+        '@t_76 N_1': 2,
+        "@t_76' N_1": 2,
+        '@t_98 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
-        "N_1' @t_115 N_1": 2,
+        "N_1' @t_118 N_1": 2,
         "N_1' @t_55 N_1": 2,
-        "N_1' @t_74 N_1": 2,
+        "N_1' @t_76 N_1": 2,
         "N_1' t_23": 2,
         "N_1' t_23 N_1": 2,
         "N_1' t_23'": 3,
-        "N_1' t_60": 2,
-        "N_1' t_60 N_1": 2,
-        "N_1' t_60'": 2,
-        "N_1' t_92": 2,
-        "N_1' t_92 N_1": 2,
-        "N_1' t_92'": 2,
+        "N_1' t_61": 2,
+        "N_1' t_61 N_1": 2,
+        "N_1' t_61'": 2,
+        "N_1' t_94": 2,
+        "N_1' t_94 N_1": 2,
+        "N_1' t_94'": 2,
         "one' t_42'": 2,
     }
 
@@ -2822,92 +2835,92 @@ class ce_bias0_causal1(Forward):
         return s.mm("N_1' A' t_42 one", tr(s.N_1), tr(s.A), s.t_42, s.one)
 
     @leaf
-    def t_56(s):
+    def t_57(s):
         return s.mm('t_42 one', s.t_42, s.one)
 
     @leaf
-    def t_57(s):
-        return lin((1, s.t_21), ((1/2)*s.d_V, s.t_56))
-
-    @leaf
     def t_58(s):
-        return (2/s.d_V) * s.t_57
+        return lin((1, s.t_21), ((1/2)*s.d_V, s.t_57))
 
     @leaf
     def t_59(s):
-        return s.mm("t_58 W_V' N_1'", s.t_58, tr(s.W_V), tr(s.N_1))
+        return (2/s.d_V) * s.t_58
 
     @leaf
     def t_60(s):
-        return softmax_diff(s.A, s.t_59)
+        return s.mm("t_59 W_V' N_1'", s.t_59, tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_76(s):
+    def t_61(s):
+        return softmax_diff(s.A, s.t_60)
+
+    @leaf
+    def t_78(s):
         return (tr(s.t_10) * tr(s.M_N_2))
 
     @leaf
-    def t_79(s):
+    def t_81(s):
         return (s.t_4 * s.t_13)
 
     @leaf
-    def t_80(s):
-        return (s.t_79 - s.Y)
-
-    @leaf
-    def t_81(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
     def t_82(s):
-        return (s.t_11 * s.t_81)
+        return (s.t_81 - s.Y)
 
     @leaf
     def t_83(s):
-        return s.mm("t_82 W_1'", s.t_82, tr(s.W_1))
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
     def t_84(s):
-        return mul(s.t_10, s.t_83, s.M_N_2)
+        return (s.t_11 * s.t_83)
 
     @leaf
     def t_85(s):
-        return s.mm('t_84 one', s.t_84, s.one)
+        return s.mm("t_84 W_1'", s.t_84, tr(s.W_1))
 
     @leaf
     def t_86(s):
-        return lin((1, s.t_85, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_83))
+        return mul(s.t_10, s.t_85, s.M_N_2)
 
     @leaf
     def t_87(s):
-        return (-2/s.d_V**2) * s.t_86
+        return s.mm('t_86 one', s.t_86, s.one)
 
     @leaf
     def t_88(s):
-        return s.mm('t_87 one', s.t_87, s.one)
+        return lin((1, s.t_87, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_85))
 
     @leaf
     def t_89(s):
-        return lin(((1/2)*s.d_V/s.L, s.t_80), (1, s.t_86), ((1/2)*s.d_V, s.t_88))
+        return (-2/s.d_V**2) * s.t_88
 
     @leaf
     def t_90(s):
-        return (2/s.d_V) * s.t_89
+        return s.mm('t_89 one', s.t_89, s.one)
 
     @leaf
     def t_91(s):
-        return s.mm("t_90 W_V' N_1'", s.t_90, tr(s.W_V), tr(s.N_1))
+        return lin(((1/2)*s.d_V/s.L, s.t_82), (1, s.t_88), ((1/2)*s.d_V, s.t_90))
 
     @leaf
     def t_92(s):
-        return softmax_diff(s.A, s.t_91)
+        return (2/s.d_V) * s.t_91
 
     @leaf
-    def t_108(s):
-        return (s.t_10 * s.t_83)
+    def t_93(s):
+        return s.mm("t_92 W_V' N_1'", s.t_92, tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_109(s):
-        return mul(s.t_33, s.t_83, s.M_N_2)
+    def t_94(s):
+        return softmax_diff(s.A, s.t_93)
+
+    @leaf
+    def t_111(s):
+        return (s.t_10 * s.t_85)
+
+    @leaf
+    def t_112(s):
+        return mul(s.t_33, s.t_85, s.M_N_2)
 
     @leaf
     def dA(s):
@@ -3321,76 +3334,79 @@ class ce_bias0_causal1(Forward):
         t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_45 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_44), s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
         t_46 = lin((-s.d_V, t_45), (1, s.mm('@t_45 one', t_45, s.one)))
-        t_47 = lin((1, s.P_N_2, (-1/s.d_V) * t_46), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_46 * s.M_N_2), s.one), s.t_30))
+        t_47 = lin((-1/s.d_V, s.P_N_2, t_46), (2/s.d_V, (-1/s.d_V) * s.mm('_ one', (t_46 * s.M_N_2), s.one), s.t_30))
         t_48 = lin((1, s.prod('@t_47 W_1', t_47, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_49 = lin((1, t_45), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', (t_48 * s.t_11), s.W_2)))
         t_50 = (s.t_4 * softmax_diff(s.t_31, t_49))
         t_51 = (s.t_11 * s.mm("@t_50 W_2'", t_50, tr(s.W_2)))
         t_52 = s.mm("@t_51 W_1'", t_51, tr(s.W_1))
         t_53 = lin((1, s.mm('_ one', (s.t_30 * t_52), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_52))
-        t_54 = lin((1, t_53), ((1/2)*s.d_V, t_50), ((1/2)*s.L*s.d_V, s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_53, s.one)))
-        t_55 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/(s.L*s.d_V)) * t_54, tr(s.W_V), tr(s.N_1)))
+        t_54 = lin((1, t_53), ((1/2)*s.d_V, t_50), ((1/2)*s.L*s.d_V, (-2/(s.L*s.d_V**2)) * s.mm('@t_53 one', t_53, s.one)))
+        t_55 = softmax_diff(s.A, (2/(s.L*s.d_V)) * s.mm("@t_54 W_V' N_1'", t_54, tr(s.W_V), tr(s.N_1)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_55 N_1 W_K", tr(s.N_1), t_55, s.N_1, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_55' N_1 W_Q", tr(s.N_1), tr(t_55), s.N_1, s.W_Q, mean=True)
-        out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_54, mean=True)
+        t_56 = (2/(s.L*s.d_V)) * t_54
+        out_W_V = s.mm("N_1' A' @t_56", tr(s.N_1), tr(s.A), t_56, mean=True)
         out_W_1 = (1/s.L) * s.mm("N_2' @t_51", tr(s.N_2), t_51, mean=True)
         out_W_2 = (1/s.L) * s.mm("t_12' @t_50", tr(s.t_12), t_50, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_61 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_62 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_61, s.t_59)
-        t_63 = (s.t_11 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
-        t_64 = lin((1, s.prod("t_14 @V_W_1'", s.t_14, tr(V_W_1))), (1, s.prod("@t_63 W_1'", t_63, tr(s.W_1))))
-        t_65 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_61)
-        t_66 = lin((1, s.prod('@t_65 N_1 W_V', t_65, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_67 = lin((-s.d_V, t_66), (1, s.mm('@t_66 one', t_66, s.one)))
-        t_68 = s.mm('_ one', ((-1/s.d_V) * t_67 * s.M_N_2), s.one)
-        t_69 = lin((1, s.t_30, t_64), (1, s.t_32, (-1/s.d_V) * t_67), (2/s.d_V, t_68, s.t_34))
-        t_70 = lin((1, s.P_N_2, t_64), (2/s.d_V, s.t_17, (-1/s.d_V) * t_67), (2/s.d_V, t_68, s.t_32), (2/s.d_V, s.mm('@t_69 one', t_69, s.one), s.M_N_2))
-        t_71 = lin((1, t_70), (1, s.mm('_ one', (-1/s.d_V) * t_70, s.one)))
-        t_72 = s.mm_sum('r', (1, "@t_71 W_V' N_1'", t_71, tr(s.W_V), tr(s.N_1)), (1, "t_58 @V_W_V' N_1'", s.t_58, tr(V_W_V), tr(s.N_1)))
-        t_73 = softmax_diff(s.A, t_72)
-        t_74 = (t_62 + t_73)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_60 N_1 @V_W_K", tr(s.N_1), s.t_60, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_74 N_1 W_K", tr(s.N_1), t_74, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_74' N_1 W_Q", tr(s.N_1), tr(t_74), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_60' N_1 @V_W_Q", tr(s.N_1), tr(s.t_60), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_65' t_58", tr(s.N_1), tr(t_65), s.t_58), (1, "N_1' A' @t_71", tr(s.N_1), tr(s.A), t_71), mean=True)
-        t_75 = lin((-s.d_V, tr(t_66)), (1, s.mm("one_2 @t_66'", s.one_2, tr(t_66))))
-        t_77 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_75), (2/s.d_V, tr(t_68), s.t_76))
-        out_W_1 = (s.mm('@t_77 t_14', t_77, s.t_14, mean=True) + s.mm("N_2' @t_63", tr(s.N_2), t_63, mean=True))
-        t_78 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_77", tr(s.W_1), t_77)))
-        out_W_2 = s.mm('_ G', (t_78 * tr(s.t_11)), s.G, mean=True)
+        t_62 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_63 = (1/math.sqrt(s.d_K)) * t_62
+        t_64 = softmax_diff2(s.A, t_63, s.t_60)
+        t_65 = (s.t_11 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
+        t_66 = lin((1, s.prod("t_14 @V_W_1'", s.t_14, tr(V_W_1))), (1, s.prod("@t_65 W_1'", t_65, tr(s.W_1))))
+        t_67 = softmax_diff(s.A, t_63)
+        t_68 = lin((1, s.prod('@t_67 N_1 W_V', t_67, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_69 = lin((-s.d_V, t_68), (1, s.mm('@t_68 one', t_68, s.one)))
+        t_70 = (-1/s.d_V) * s.mm('_ one', (t_69 * s.M_N_2), s.one)
+        t_71 = lin((1, s.t_30, t_66), (-1/s.d_V, s.t_32, t_69), (2/s.d_V, t_70, s.t_34))
+        t_72 = lin((1, s.P_N_2, t_66), (-2/s.d_V**2, s.t_17, t_69), (2/s.d_V, t_70, s.t_32), (2/s.d_V, s.mm('@t_71 one', t_71, s.one), s.M_N_2))
+        t_73 = lin((1, t_72), (1, (-1/s.d_V) * s.mm('@t_72 one', t_72, s.one)))
+        t_74 = s.mm_sum('r', (1, "@t_73 W_V' N_1'", t_73, tr(s.W_V), tr(s.N_1)), (1, "t_59 @V_W_V' N_1'", s.t_59, tr(V_W_V), tr(s.N_1)))
+        t_75 = softmax_diff(s.A, t_74)
+        t_76 = (t_64 + t_75)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_61 N_1 @V_W_K", tr(s.N_1), s.t_61, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_76 N_1 W_K", tr(s.N_1), t_76, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_76' N_1 W_Q", tr(s.N_1), tr(t_76), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_61' N_1 @V_W_Q", tr(s.N_1), tr(s.t_61), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_67' t_59", tr(s.N_1), tr(t_67), s.t_59), (1, "N_1' A' @t_73", tr(s.N_1), tr(s.A), t_73), mean=True)
+        t_77 = lin((-s.d_V, tr(t_68)), (1, s.mm("one_2 @t_68'", s.one_2, tr(t_68))))
+        t_79 = lin((-1/s.d_V, tr(s.P_N_2), t_77), (2/s.d_V, tr(t_70), s.t_78))
+        out_W_1 = (s.mm('@t_79 t_14', t_79, s.t_14, mean=True) + s.mm("N_2' @t_65", tr(s.N_2), t_65, mean=True))
+        t_80 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_79", tr(s.W_1), t_79)))
+        out_W_2 = s.mm('_ G', (t_80 * tr(s.t_11)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_93 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_94 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_93, s.t_91)
-        t_95 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_93)
-        t_96 = lin((1, s.prod('@t_95 N_1 W_V', t_95, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_97 = lin((-s.d_V, t_96), (1, s.mm('@t_96 one', t_96, s.one)))
-        t_98 = s.mm('_ one', ((-1/s.d_V) * t_97 * s.M_N_2), s.one)
-        t_99 = (t_98 * s.t_30)
-        t_100 = lin((1, s.P_N_2, (-1/s.d_V) * t_97), (2/s.d_V, t_99))
-        t_101 = lin((1, s.prod('@t_100 W_1', t_100, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_102 = (t_101 * s.t_11)
-        t_103 = lin((1, t_96), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_102 W_2', t_102, s.W_2)))
-        t_104 = (s.t_4 * softmax_diff(s.t_13, t_103))
-        t_105 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_104 W_2'", t_104, tr(s.W_2))))
-        t_106 = (t_105 * s.t_11)
-        t_107 = lin((1, s.prod("@t_106 W_1'", t_106, tr(s.W_1))), (1, s.prod("t_82 @V_W_1'", s.t_82, tr(V_W_1))))
-        t_110 = lin((1, s.t_30, t_107), (1, s.t_108, (-1/s.d_V) * t_97), (2/s.d_V, t_98, s.t_109))
-        t_111 = lin((1, s.P_N_2, t_107), (2/s.d_V, s.t_85, (-1/s.d_V) * t_97), (2/s.d_V, t_98, s.t_108), (2/s.d_V, s.mm('@t_110 one', t_110, s.one), s.M_N_2))
-        t_112 = lin((1, t_111), (1/s.L, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_111, s.one)))
-        t_113 = s.mm_sum('r', (1, "@t_112 W_V' N_1'", t_112, tr(s.W_V), tr(s.N_1)), (1, "t_90 @V_W_V' N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
-        t_114 = softmax_diff(s.A, t_113)
-        t_115 = (t_94 + t_114)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_92 N_1 @V_W_K", tr(s.N_1), s.t_92, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_115 N_1 W_K", tr(s.N_1), t_115, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_115' N_1 W_Q", tr(s.N_1), tr(t_115), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_92' N_1 @V_W_Q", tr(s.N_1), tr(s.t_92), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_95' t_90", tr(s.N_1), tr(t_95), s.t_90), (1, "N_1' A' @t_112", tr(s.N_1), tr(s.A), t_112), mean=True)
-        out_W_1 = (s.mm("@t_100' t_82", tr(t_100), s.t_82, mean=True) + s.mm("N_2' @t_106", tr(s.N_2), t_106, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' @t_104", tr(s.t_12), t_104, mean=True)), (1, s.mm("@t_102' G", tr(t_102), s.G, mean=True)))
+        t_95 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_96 = (1/math.sqrt(s.d_K)) * t_95
+        t_97 = softmax_diff2(s.A, t_96, s.t_93)
+        t_98 = softmax_diff(s.A, t_96)
+        t_99 = lin((1, s.prod('@t_98 N_1 W_V', t_98, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_100 = lin((-s.d_V, t_99), (1, s.mm('@t_99 one', t_99, s.one)))
+        t_101 = (-1/s.d_V) * s.mm('_ one', (t_100 * s.M_N_2), s.one)
+        t_102 = (t_101 * s.t_30)
+        t_103 = lin((-1/s.d_V, s.P_N_2, t_100), (2/s.d_V, t_102))
+        t_104 = lin((1, s.prod('@t_103 W_1', t_103, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_105 = (t_104 * s.t_11)
+        t_106 = lin((1, t_99), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_105 W_2', t_105, s.W_2)))
+        t_107 = (s.t_4 * softmax_diff(s.t_13, t_106))
+        t_108 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_107 W_2'", t_107, tr(s.W_2))))
+        t_109 = (t_108 * s.t_11)
+        t_110 = lin((1, s.prod("@t_109 W_1'", t_109, tr(s.W_1))), (1, s.prod("t_84 @V_W_1'", s.t_84, tr(V_W_1))))
+        t_113 = lin((1, s.t_30, t_110), (-1/s.d_V, s.t_111, t_100), (2/s.d_V, t_101, s.t_112))
+        t_114 = lin((1, s.P_N_2, t_110), (-2/s.d_V**2, s.t_87, t_100), (2/s.d_V, t_101, s.t_111), (2/s.d_V, s.mm('@t_113 one', t_113, s.one), s.M_N_2))
+        t_115 = lin((1, t_114), (1/s.L, t_107), (1, (-1/s.d_V) * s.mm('@t_114 one', t_114, s.one)))
+        t_116 = s.mm_sum('r', (1, "@t_115 W_V' N_1'", t_115, tr(s.W_V), tr(s.N_1)), (1, "t_92 @V_W_V' N_1'", s.t_92, tr(V_W_V), tr(s.N_1)))
+        t_117 = softmax_diff(s.A, t_116)
+        t_118 = (t_97 + t_117)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_94 N_1 @V_W_K", tr(s.N_1), s.t_94, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_118 N_1 W_K", tr(s.N_1), t_118, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_118' N_1 W_Q", tr(s.N_1), tr(t_118), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_94' N_1 @V_W_Q", tr(s.N_1), tr(s.t_94), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_98' t_92", tr(s.N_1), tr(t_98), s.t_92), (1, "N_1' A' @t_115", tr(s.N_1), tr(s.A), t_115), mean=True)
+        out_W_1 = (s.mm("@t_103' t_84", tr(t_103), s.t_84, mean=True) + s.mm("N_2' @t_109", tr(s.N_2), t_109, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' @t_107", tr(s.t_12), t_107, mean=True)), (1, s.mm("@t_105' G", tr(t_105), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -3404,4 +3420,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "c19e643f9d8b8eeebcf16e56"
+CHECKSUM = "138ff571524c47512321c7b8"

@@ -24,10 +24,10 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "b23b40dab6d746b988199988"
+    STAMP = "8f8fcccb39c834b9cecc26e5"
     RUNS = {
         "@V_W_V' X'": 2,
-        '@t_18 X': 2,
+        '@t_19 X': 2,
         'A X': 7,
         "W_V' X'": 8,
     }
@@ -109,7 +109,7 @@ class mse_causal0(Forward):
         return (2/(s.L*s.d_V)) * s.t_8
 
     @leaf
-    def t_16(s):
+    def t_17(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
@@ -198,28 +198,29 @@ class mse_causal0(Forward):
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_11 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_12 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X)))
+        t_12 = softmax_diff(s.A, (2/(s.L*s.d_V)) * s.mm("@t_11 W_V' X'", t_11, tr(s.W_V), tr(s.X)))
         out_W_QK = s.mm("X' @t_12 X", tr(s.X), t_12, s.X, mean=True)
-        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11, mean=True)
+        t_13 = (2/(s.L*s.d_V)) * t_11
+        out_W_V = s.mm("X' A' @t_13", tr(s.X), tr(s.A), t_13, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
-        t_14 = (softmax_diff2(s.A, s.t_9, t_13) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' @t_14 X", tr(s.X), t_14, s.X, mean=True)
-        t_15 = softmax_diff(s.A, t_13)
-        out_W_V = s.mm("X' @t_15' G_2", tr(s.X), tr(t_15), s.G_2, mean=True)
+        t_14 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_15 = (softmax_diff2(s.A, s.t_9, t_14) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' @t_15 X", tr(s.X), t_15, s.X, mean=True)
+        t_16 = softmax_diff(s.A, t_14)
+        out_W_V = s.mm("X' @t_16' G_2", tr(s.X), tr(t_16), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
-        t_18 = softmax_diff(s.A, t_17)
-        t_19 = lin((1, s.prod('@t_18 X W_V', t_18, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_16, t_17) + softmax_diff(s.A, t_20)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_18' G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19), mean=True)
+        t_18 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_19 = softmax_diff(s.A, t_18)
+        t_20 = lin((1, s.prod('@t_19 X W_V', t_19, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_21 = s.mm_sum('r', ((2/(s.L*s.d_V)), "@t_20 W_V' X'", t_20, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_17, t_18) + softmax_diff(s.A, t_21)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_19' G_3", tr(s.X), tr(t_19), s.G_3), ((2/(s.L*s.d_V)), "X' A' @t_20", tr(s.X), tr(s.A), t_20), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -227,10 +228,10 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "89244aa5e5844627cc139c93"
+    STAMP = "7129bb8e30ec195a38f960ff"
     RUNS = {
         "@V_W_V' X'": 2,
-        '@t_18 X': 2,
+        '@t_19 X': 2,
         'A X': 7,
         "W_V' X'": 8,
     }
@@ -312,7 +313,7 @@ class mse_causal1(Forward):
         return (2/(s.L*s.d_V)) * s.t_8
 
     @leaf
-    def t_16(s):
+    def t_17(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
@@ -401,28 +402,29 @@ class mse_causal1(Forward):
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_11 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_12 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X)))
+        t_12 = softmax_diff(s.A, (2/(s.L*s.d_V)) * s.mm("@t_11 W_V' X'", t_11, tr(s.W_V), tr(s.X)))
         out_W_QK = s.mm("X' @t_12 X", tr(s.X), t_12, s.X, mean=True)
-        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11, mean=True)
+        t_13 = (2/(s.L*s.d_V)) * t_11
+        out_W_V = s.mm("X' A' @t_13", tr(s.X), tr(s.A), t_13, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
-        t_14 = (softmax_diff2(s.A, s.t_9, t_13) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' @t_14 X", tr(s.X), t_14, s.X, mean=True)
-        t_15 = softmax_diff(s.A, t_13)
-        out_W_V = s.mm("X' @t_15' G_2", tr(s.X), tr(t_15), s.G_2, mean=True)
+        t_14 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_15 = (softmax_diff2(s.A, s.t_9, t_14) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' @t_15 X", tr(s.X), t_15, s.X, mean=True)
+        t_16 = softmax_diff(s.A, t_14)
+        out_W_V = s.mm("X' @t_16' G_2", tr(s.X), tr(t_16), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
-        t_18 = softmax_diff(s.A, t_17)
-        t_19 = lin((1, s.prod('@t_18 X W_V', t_18, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_16, t_17) + softmax_diff(s.A, t_20)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_18' G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19), mean=True)
+        t_18 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_19 = softmax_diff(s.A, t_18)
+        t_20 = lin((1, s.prod('@t_19 X W_V', t_19, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_21 = s.mm_sum('r', ((2/(s.L*s.d_V)), "@t_20 W_V' X'", t_20, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_17, t_18) + softmax_diff(s.A, t_21)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_19' G_3", tr(s.X), tr(t_19), s.G_3), ((2/(s.L*s.d_V)), "X' A' @t_20", tr(s.X), tr(s.A), t_20), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -430,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "c357cb9b3d3d86bd4d75d530"
+    STAMP = "71a3db85c7dafa0208d4a33c"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_21 X': 2,
@@ -658,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "18980763ae89ce4a134b3d70"
+    STAMP = "618b8ef21a63c6896697df55"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_21 X': 2,
@@ -888,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "85e504bc66194997e38aaccc"
+CHECKSUM = "ee39b95e5a934b1ecf56b884"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "81f400f911139966eee70598"
+    STAMP = "ccd5b674168ab777f694068f"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -37,25 +37,28 @@ class mse_causal0(Forward):
         "@V_W_V' X' A'": 2,
         '@t_24 X': 2,
         "@t_24' X": 2,
-        '@t_29 X': 2,
-        "@t_29' X": 2,
-        '@t_30 X': 2,
-        "@t_30' G_2": 2,
-        '@t_34 X': 3,
-        '@t_34 X W_V': 2,
-        "@t_34' G_3": 2,
-        '@t_38 X': 2,
-        "@t_38' X": 2,
+        "@t_25' A": 2,
+        "@t_25' A X": 2,
+        '@t_31 X': 2,
+        "@t_31' X": 2,
+        '@t_32 X': 2,
+        "@t_32' G_2": 2,
+        '@t_37 X': 3,
+        '@t_37 X W_V': 2,
+        "@t_37' G_3": 2,
+        "@t_38 W_O'": 2,
+        '@t_41 X': 2,
+        "@t_41' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
-        "G_2' @t_30 X": 2,
+        "G_2' @t_32 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
-        "G_3' @t_34 X": 2,
+        "G_3' @t_37 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
@@ -69,14 +72,14 @@ class mse_causal0(Forward):
         "W_Q' X'": 8,
         "W_V' X'": 17,
         "X' @t_24 X": 2,
-        "X' @t_29 X": 2,
-        "X' @t_38 X": 2,
+        "X' @t_31 X": 2,
+        "X' @t_41 X": 2,
         "X' t_20": 4,
         "X' t_20 X": 4,
         "X' t_20'": 4,
-        "X' t_39": 2,
-        "X' t_39 X": 2,
-        "X' t_39'": 2,
+        "X' t_42": 2,
+        "X' t_42 X": 2,
+        "X' t_42'": 2,
     }
 
     @leaf
@@ -196,12 +199,12 @@ class mse_causal0(Forward):
         return (2/(s.L*s.d_V)) * s.t_18
 
     @leaf
-    def t_32(s):
+    def t_35(s):
         return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_39(s):
-        return softmax_diff(s.A, s.t_32)
+    def t_42(s):
+        return softmax_diff(s.A, s.t_35)
 
     @leaf
     def dA(s):
@@ -383,41 +386,45 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_23 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_23 = (2/(s.L*s.d_V)) * s.mm("@t_22 W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X))
         t_24 = softmax_diff(s.A, t_23)
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_24 X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_24' X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
-        out_W_V = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, tr(s.W_O), mean=True)
-        out_W_O = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, mean=True)
+        t_25 = (2/(s.L*s.d_V)) * t_22
+        out_W_V = s.mm("X' A' @t_25 W_O'", tr(s.X), tr(s.A), t_25, tr(s.W_O), mean=True)
+        out_W_O = s.mm("W_V' X' A' @t_25", tr(s.W_V), tr(s.X), tr(s.A), t_25, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_19)
-        t_27 = s.mm_sum('r', (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_28 = softmax_diff(s.A, t_27)
-        t_29 = (t_26 + t_28)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X @V_W_K", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X @V_W_Q", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
-        t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
+        t_26 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = (1/math.sqrt(s.d_K)) * t_26
+        t_28 = softmax_diff2(s.A, t_27, s.t_19)
+        t_29 = s.mm_sum('r', (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_30 = softmax_diff(s.A, t_29)
+        t_31 = (t_28 + t_30)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_31 X W_K", tr(s.X), t_31, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X @V_W_K", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_31' X W_Q", tr(s.X), tr(t_31), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X @V_W_Q", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        t_32 = softmax_diff(s.A, t_27)
+        out_W_V = s.mm_sum('l', (1, "X' @t_32' G_2 W_O'", tr(s.X), tr(t_32), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_32' G_2", tr(s.W_V), tr(s.X), tr(t_32), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
-        t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_35 = lin((1, s.mm_sum('r', (1, '@t_34 X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_36 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_35, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_37 = softmax_diff(s.A, t_36)
-        t_38 = (t_33 + t_37)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_38 X W_K", tr(s.X), t_38, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_39 X @V_W_K", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_38' X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_39' X @V_W_Q", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_34' G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_34' G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, mean=True)))
+        t_33 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = (1/math.sqrt(s.d_K)) * t_33
+        t_36 = softmax_diff2(s.A, t_34, s.t_35)
+        t_37 = softmax_diff(s.A, t_34)
+        t_38 = lin((1, s.mm_sum('r', (1, '@t_37 X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_39 = s.mm_sum('r', ((2/(s.L*s.d_V)), "@t_38 W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_40 = softmax_diff(s.A, t_39)
+        t_41 = (t_36 + t_40)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41 X W_K", tr(s.X), t_41, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_42 X @V_W_K", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41' X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_42' X @V_W_Q", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_37' G_3 W_O'", tr(s.X), tr(t_37), s.G_3, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((2/(s.L*s.d_V)), "X' A' @t_38 W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), mean=True)
+        t_43 = (2/(s.L*s.d_V)) * t_38
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_37' G_3", tr(s.W_V), tr(s.X), tr(t_37), s.G_3), mean=True)), (1, s.mm("W_V' X' A' @t_43", tr(s.W_V), tr(s.X), tr(s.A), t_43, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -425,7 +432,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "6638572f9c15d66a4f3a8e19"
+    STAMP = "b9b816c30c16a1c0a103f3e0"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -438,25 +445,28 @@ class mse_causal1(Forward):
         "@V_W_V' X' A'": 2,
         '@t_24 X': 2,
         "@t_24' X": 2,
-        '@t_29 X': 2,
-        "@t_29' X": 2,
-        '@t_30 X': 2,
-        "@t_30' G_2": 2,
-        '@t_34 X': 3,
-        '@t_34 X W_V': 2,
-        "@t_34' G_3": 2,
-        '@t_38 X': 2,
-        "@t_38' X": 2,
+        "@t_25' A": 2,
+        "@t_25' A X": 2,
+        '@t_31 X': 2,
+        "@t_31' X": 2,
+        '@t_32 X': 2,
+        "@t_32' G_2": 2,
+        '@t_37 X': 3,
+        '@t_37 X W_V': 2,
+        "@t_37' G_3": 2,
+        "@t_38 W_O'": 2,
+        '@t_41 X': 2,
+        "@t_41' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
-        "G_2' @t_30 X": 2,
+        "G_2' @t_32 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
-        "G_3' @t_34 X": 2,
+        "G_3' @t_37 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
@@ -470,14 +480,14 @@ class mse_causal1(Forward):
         "W_Q' X'": 8,
         "W_V' X'": 17,
         "X' @t_24 X": 2,
-        "X' @t_29 X": 2,
-        "X' @t_38 X": 2,
+        "X' @t_31 X": 2,
+        "X' @t_41 X": 2,
         "X' t_20": 4,
         "X' t_20 X": 4,
         "X' t_20'": 4,
-        "X' t_39": 2,
-        "X' t_39 X": 2,
-        "X' t_39'": 2,
+        "X' t_42": 2,
+        "X' t_42 X": 2,
+        "X' t_42'": 2,
     }
 
     @leaf
@@ -597,12 +607,12 @@ class mse_causal1(Forward):
         return (2/(s.L*s.d_V)) * s.t_18
 
     @leaf
-    def t_32(s):
+    def t_35(s):
         return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_39(s):
-        return softmax_diff(s.A, s.t_32)
+    def t_42(s):
+        return softmax_diff(s.A, s.t_35)
 
     @leaf
     def dA(s):
@@ -784,41 +794,45 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_23 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_23 = (2/(s.L*s.d_V)) * s.mm("@t_22 W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X))
         t_24 = softmax_diff(s.A, t_23)
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_24 X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_24' X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
-        out_W_V = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, tr(s.W_O), mean=True)
-        out_W_O = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, mean=True)
+        t_25 = (2/(s.L*s.d_V)) * t_22
+        out_W_V = s.mm("X' A' @t_25 W_O'", tr(s.X), tr(s.A), t_25, tr(s.W_O), mean=True)
+        out_W_O = s.mm("W_V' X' A' @t_25", tr(s.W_V), tr(s.X), tr(s.A), t_25, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_19)
-        t_27 = s.mm_sum('r', (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_28 = softmax_diff(s.A, t_27)
-        t_29 = (t_26 + t_28)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X @V_W_K", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X @V_W_Q", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
-        t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
+        t_26 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = (1/math.sqrt(s.d_K)) * t_26
+        t_28 = softmax_diff2(s.A, t_27, s.t_19)
+        t_29 = s.mm_sum('r', (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_30 = softmax_diff(s.A, t_29)
+        t_31 = (t_28 + t_30)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_31 X W_K", tr(s.X), t_31, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X @V_W_K", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_31' X W_Q", tr(s.X), tr(t_31), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X @V_W_Q", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        t_32 = softmax_diff(s.A, t_27)
+        out_W_V = s.mm_sum('l', (1, "X' @t_32' G_2 W_O'", tr(s.X), tr(t_32), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_32' G_2", tr(s.W_V), tr(s.X), tr(t_32), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
-        t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_35 = lin((1, s.mm_sum('r', (1, '@t_34 X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_36 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_35, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_37 = softmax_diff(s.A, t_36)
-        t_38 = (t_33 + t_37)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_38 X W_K", tr(s.X), t_38, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_39 X @V_W_K", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_38' X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_39' X @V_W_Q", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_34' G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_34' G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, mean=True)))
+        t_33 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = (1/math.sqrt(s.d_K)) * t_33
+        t_36 = softmax_diff2(s.A, t_34, s.t_35)
+        t_37 = softmax_diff(s.A, t_34)
+        t_38 = lin((1, s.mm_sum('r', (1, '@t_37 X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_39 = s.mm_sum('r', ((2/(s.L*s.d_V)), "@t_38 W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_40 = softmax_diff(s.A, t_39)
+        t_41 = (t_36 + t_40)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41 X W_K", tr(s.X), t_41, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_42 X @V_W_K", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41' X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_42' X @V_W_Q", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_37' G_3 W_O'", tr(s.X), tr(t_37), s.G_3, tr(s.W_O)), ((2/(s.L*s.d_V)), "X' A' @t_38 W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        t_43 = (2/(s.L*s.d_V)) * t_38
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_37' G_3", tr(s.W_V), tr(s.X), tr(t_37), s.G_3), mean=True)), (1, s.mm("W_V' X' A' @t_43", tr(s.W_V), tr(s.X), tr(s.A), t_43, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -826,7 +840,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "8e840aa5f4d19a6704e42159"
+    STAMP = "5456f57ccc1455af564341ac"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -842,28 +856,28 @@ class ce_causal0(Forward):
         "@t_23' A X": 2,
         '@t_24 X': 2,
         "@t_24' X": 2,
-        '@t_29 X': 2,
-        "@t_29' X": 2,
         '@t_30 X': 2,
-        "@t_30' G_2": 2,
-        '@t_34 X': 3,
-        '@t_34 X W_V': 2,
-        "@t_34' G_3": 2,
-        "@t_36 W_O'": 2,
-        "@t_36' A": 2,
-        "@t_36' A X": 2,
-        '@t_39 X': 2,
-        "@t_39' X": 2,
+        "@t_30' X": 2,
+        '@t_31 X': 2,
+        "@t_31' G_2": 2,
+        '@t_36 X': 3,
+        '@t_36 X W_V': 2,
+        "@t_36' G_3": 2,
+        "@t_38 W_O'": 2,
+        "@t_38' A": 2,
+        "@t_38' A X": 2,
+        '@t_41 X': 2,
+        "@t_41' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
-        "G_2' @t_30 X": 2,
+        "G_2' @t_31 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
-        "G_3' @t_34 X": 2,
+        "G_3' @t_36 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
@@ -873,14 +887,14 @@ class ce_causal0(Forward):
         "W_Q' X'": 8,
         "W_V' X'": 17,
         "X' @t_24 X": 2,
-        "X' @t_29 X": 2,
-        "X' @t_39 X": 2,
+        "X' @t_30 X": 2,
+        "X' @t_41 X": 2,
         "X' t_19": 4,
         "X' t_19 X": 4,
         "X' t_19'": 4,
-        "X' t_40": 2,
-        "X' t_40 X": 2,
-        "X' t_40'": 2,
+        "X' t_42": 2,
+        "X' t_42 X": 2,
+        "X' t_42'": 2,
     }
 
     @leaf
@@ -1004,12 +1018,12 @@ class ce_causal0(Forward):
         return (1/s.L) * s.t_17
 
     @leaf
-    def t_32(s):
+    def t_34(s):
         return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_40(s):
-        return softmax_diff(s.A, s.t_32)
+    def t_42(s):
+        return softmax_diff(s.A, s.t_34)
 
     @leaf
     def dA(s):
@@ -1210,31 +1224,33 @@ class ce_causal0(Forward):
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_18)
-        t_27 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_28 = softmax_diff(s.A, t_27)
-        t_29 = (t_26 + t_28)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X @V_W_K", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X @V_W_Q", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
-        t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
+        t_26 = (1/math.sqrt(s.d_K)) * t_25
+        t_27 = softmax_diff2(s.A, t_26, s.t_18)
+        t_28 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_27 + t_29)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30 X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X @V_W_K", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30' X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X @V_W_Q", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        t_31 = softmax_diff(s.A, t_26)
+        out_W_V = s.mm_sum('l', (1, "X' @t_31' G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_31' G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
-        t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_35 = lin((1, s.mm_sum('r', (1, '@t_34 X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_36 = (s.t_2 * softmax_diff(s.t_15, t_35))
-        t_37 = s.mm_sum('r', (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/s.L), "@t_36 W_O' W_V' X'", t_36, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_38 = softmax_diff(s.A, t_37)
-        t_39 = (t_33 + t_38)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_39 X W_K", tr(s.X), t_39, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_40 X @V_W_K", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_39' X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_40' X @V_W_Q", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_34' G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' @t_36 W_O'", tr(s.X), tr(s.A), t_36, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_34' G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_36", tr(s.W_V), tr(s.X), tr(s.A), t_36, mean=True)))
+        t_32 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_33 = (1/math.sqrt(s.d_K)) * t_32
+        t_35 = softmax_diff2(s.A, t_33, s.t_34)
+        t_36 = softmax_diff(s.A, t_33)
+        t_37 = lin((1, s.mm_sum('r', (1, '@t_36 X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
+        t_39 = s.mm_sum('r', (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/s.L), "@t_38 W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_40 = softmax_diff(s.A, t_39)
+        t_41 = (t_35 + t_40)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41 X W_K", tr(s.X), t_41, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_42 X @V_W_K", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41' X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_42' X @V_W_Q", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_36' G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' @t_38 W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_36' G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_38", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1242,7 +1258,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "94b82635fff167e722c1df04"
+    STAMP = "85baa2a1ea1be7d08c64ada6"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1258,28 +1274,28 @@ class ce_causal1(Forward):
         "@t_23' A X": 2,
         '@t_24 X': 2,
         "@t_24' X": 2,
-        '@t_29 X': 2,
-        "@t_29' X": 2,
         '@t_30 X': 2,
-        "@t_30' G_2": 2,
-        '@t_34 X': 3,
-        '@t_34 X W_V': 2,
-        "@t_34' G_3": 2,
-        "@t_36 W_O'": 2,
-        "@t_36' A": 2,
-        "@t_36' A X": 2,
-        '@t_39 X': 2,
-        "@t_39' X": 2,
+        "@t_30' X": 2,
+        '@t_31 X': 2,
+        "@t_31' G_2": 2,
+        '@t_36 X': 3,
+        '@t_36 X W_V': 2,
+        "@t_36' G_3": 2,
+        "@t_38 W_O'": 2,
+        "@t_38' A": 2,
+        "@t_38' A X": 2,
+        '@t_41 X': 2,
+        "@t_41' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
-        "G_2' @t_30 X": 2,
+        "G_2' @t_31 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
-        "G_3' @t_34 X": 2,
+        "G_3' @t_36 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
@@ -1289,14 +1305,14 @@ class ce_causal1(Forward):
         "W_Q' X'": 8,
         "W_V' X'": 17,
         "X' @t_24 X": 2,
-        "X' @t_29 X": 2,
-        "X' @t_39 X": 2,
+        "X' @t_30 X": 2,
+        "X' @t_41 X": 2,
         "X' t_19": 4,
         "X' t_19 X": 4,
         "X' t_19'": 4,
-        "X' t_40": 2,
-        "X' t_40 X": 2,
-        "X' t_40'": 2,
+        "X' t_42": 2,
+        "X' t_42 X": 2,
+        "X' t_42'": 2,
     }
 
     @leaf
@@ -1420,12 +1436,12 @@ class ce_causal1(Forward):
         return (1/s.L) * s.t_17
 
     @leaf
-    def t_32(s):
+    def t_34(s):
         return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_40(s):
-        return softmax_diff(s.A, s.t_32)
+    def t_42(s):
+        return softmax_diff(s.A, s.t_34)
 
     @leaf
     def dA(s):
@@ -1626,31 +1642,33 @@ class ce_causal1(Forward):
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_18)
-        t_27 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_28 = softmax_diff(s.A, t_27)
-        t_29 = (t_26 + t_28)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X @V_W_K", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X @V_W_Q", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
-        t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
+        t_26 = (1/math.sqrt(s.d_K)) * t_25
+        t_27 = softmax_diff2(s.A, t_26, s.t_18)
+        t_28 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_27 + t_29)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30 X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X @V_W_K", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30' X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X @V_W_Q", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        t_31 = softmax_diff(s.A, t_26)
+        out_W_V = s.mm_sum('l', (1, "X' @t_31' G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_31' G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
-        t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_35 = lin((1, s.mm_sum('r', (1, '@t_34 X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_36 = (s.t_2 * softmax_diff(s.t_15, t_35))
-        t_37 = s.mm_sum('r', (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/s.L), "@t_36 W_O' W_V' X'", t_36, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_38 = softmax_diff(s.A, t_37)
-        t_39 = (t_33 + t_38)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_39 X W_K", tr(s.X), t_39, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_40 X @V_W_K", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_39' X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_40' X @V_W_Q", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_34' G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' @t_36 W_O'", tr(s.X), tr(s.A), t_36, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_34' G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_36", tr(s.W_V), tr(s.X), tr(s.A), t_36, mean=True)))
+        t_32 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_33 = (1/math.sqrt(s.d_K)) * t_32
+        t_35 = softmax_diff2(s.A, t_33, s.t_34)
+        t_36 = softmax_diff(s.A, t_33)
+        t_37 = lin((1, s.mm_sum('r', (1, '@t_36 X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
+        t_39 = s.mm_sum('r', (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/s.L), "@t_38 W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_40 = softmax_diff(s.A, t_39)
+        t_41 = (t_35 + t_40)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41 X W_K", tr(s.X), t_41, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_42 X @V_W_K", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41' X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_42' X @V_W_Q", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_36' G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' @t_38 W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_36' G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_38", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1660,4 +1678,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "4ed3dfa309b95219107c946e"
+CHECKSUM = "3415b9b3ab62051aadaf26af"

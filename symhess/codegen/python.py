@@ -193,7 +193,10 @@ class Printer:
         scaled = _monic_sum(node) if self.local_names is not None else None
         if scaled is not None and self.uses(scaled[1]) > 1:
             c, monic = scaled                            # c · S with S named once for all c
-            return _scaled(self, c, (yield "ccode", monic))
+            text = _scaled(self, c, (yield "ccode", monic))
+            if self.uses(node) > 1 and self.depends_on_arguments(node):
+                return self.define(node, text)           # one pass for all its users
+            return text
         twin = self.named_twin(node)
         if twin is not None:
             return f"tr({twin})"
@@ -727,7 +730,16 @@ def _matmul(pr, n):
     all-ones factor 1_k 1_mᵀ splits the chain: P 1 Q = (P 1_k)(1_mᵀ Q), each side a chain
     ending (starting) with a ones vector, so P 1_k is matrix–vector products from the right
     (X' A' t 1: t 1 first), never P itself; P 1 alone is kept as its column (``form``)."""
-    f = list(n.args)
+    c, f = sp.Integer(1), list(n.args)
+    for i, x in enumerate(f):                   # scalars of shared sums onto the result
+        cx, f[i] = _hoisted(pr, x)
+        c *= cx
+    return _scaled(pr, c, (yield from _chain_code(pr, f, n)))
+
+
+def _chain_code(pr, f, n):
+    """The code of the product of the factors ``f`` (of the product ``n``), all-ones factors
+    split (``_matmul``)."""
     j = next((i for i, x in enumerate(f) if isinstance(x, E.Ones)), None)
     if j is None:
         codes, names = yield from _factors(pr, f)
@@ -807,7 +819,11 @@ def _sum_code(pr, n, mean=False):
         parts = []
         for i in members:
             c, core = items[i]
-            codes, names = yield from _factors(pr, _chain_factors(pr, core.args))
+            factors = _chain_factors(pr, core.args)
+            for j, x in enumerate(factors):
+                cx, factors[j] = _hoisted(pr, x)
+                c = sp.sympify(c) * cx
+            codes, names = yield from _factors(pr, factors)
             parts.append(f"({_py_coef(pr, c)}, {names!r}, " + ", ".join(codes) + ")")
         flag = ", mean=True" if mean else ""
         head = f"s.mm_sum({side!r}, " + ", ".join(parts) + flag + ")"
@@ -863,15 +879,45 @@ def _lin_term(pr, c, t, mean=False):
     if scaled is not None and pr.uses(scaled[1]) > 1:       # c·(c′·S) as (c c′, S)
         return f"({pr.coef(sp.sympify(c) * scaled[0])}, {(yield 'ccode', scaled[1])})"
     if _deferred(pr, t):
-        codes, names = yield from _factors(pr, t.args)
+        factors, c2 = list(t.args), sp.Integer(1)
+        for j, x in enumerate(factors):
+            cx, factors[j] = _hoisted(pr, x)
+            c2 *= cx
+        coef = pr.coef(sp.sympify(c) * c2) if c2 != 1 else coef
+        codes, names = yield from _factors(pr, factors)
         return f"({coef}, s.prod({names!r}, " + ", ".join(codes) + "))"
     if isinstance(t, E.Hadamard) and not (pr.uses(t) > 1 or t in pr.hints or
                                           t in pr.leaf_names or
                                           (pr.local_names is not None and t in pr.local_names)):
+        c2, t = _hoisted(pr, t)
+        coef = pr.coef(sp.sympify(c) * c2) if c2 != 1 else coef
         codes = yield from _codes(_hadamard_factors(pr, t), "ccode")
         x = codes[0] if len(codes) == 2 else _product(codes[:-1])
         return f"({coef}, {x}, {codes[-1]})"
     return f"({coef}, {(yield 'ccode', t)})"
+
+
+def _hoisted(pr, node):
+    """(c, node′) with node = c · node′, where node′ writes each factor c′ · S of a routine's
+    product (a multiple of a shared monic sum S, which ``_ccode`` prints as c′ · S) as S: the
+    scalar then scales the product's result or its term's coefficient, not a pass of its own
+    over S.  (1, node) when there is none."""
+    one = sp.Integer(1)
+    if pr.local_names is None or node in pr.local_names or not pr.depends_on_arguments(node):
+        return one, node
+    if isinstance(node, E.Hadamard):
+        c, fs = one, []
+        for f in node.args:
+            cf, g = _hoisted(pr, f) if not isinstance(f, E.Hadamard) else (one, f)
+            c, fs = c * cf, fs + [g]
+        return (c, E.hadamard(*fs)) if c != 1 else (one, node)
+    items = pr.summands.get(node) if isinstance(node, E.Add) else None
+    if items and len(items) == 1:                       # a sum printed as c · S
+        return items[0]
+    scaled = _monic_sum(node)
+    if scaled is not None and pr.uses(scaled[1]) > 1:
+        return scaled
+    return one, node
 
 
 def _deferred(pr, t):
