@@ -11,9 +11,10 @@ Side by side in one process, float64, interleaved rounds (minimum of ``--rounds`
 * hvp — ``Kernel.hvp`` (stateless: validation, forward and product) against
   ``torch.func.jvp(grad(loss))``; a prepared state's ``hvp`` in a loop of 20 against 20
   ``jvp(grad)`` calls and against ``torch.func.linearize(grad)`` followed by 20 calls;
-* diag — the exact diagonal of every parameter's block and its trace against a
-  ``--probes``-probe Hutchinson estimate (Rademacher probes, autograd HVPs), with the peak
-  memory of each (tracemalloc for NumPy, the process's peak RSS growth otherwise);
+* diag — the exact diagonal of every parameter's block (``diagonals``: one pass for all
+  parameters) and its trace against a ``--probes``-probe Hutchinson estimate (Rademacher
+  probes, autograd HVPs), with the peak memory of each (tracemalloc for NumPy, the
+  process's peak RSS growth otherwise);
 * frob — ``frobenius_split`` of every block (‖H_o‖, ‖H_f‖, ‖H‖, exact) against a
   Hutchinson estimate with ``--probes`` probes per column block (one HVP and one
   Gauss–Newton product per probe);
@@ -216,7 +217,7 @@ def bench_hvp(k, values, ag, rounds, device):
 def bench_diag(k, values, ag, probes, device):
     def exact():
         st = k.prepare(values)
-        return {p: (st.diag(p), st.trace(p)) for p in st.PARAMS}
+        return {p: (d, st.trace(p)) for p, d in st.diagonals().items()}
 
     def hutchinson():
         acc = [torch.zeros_like(p) for p in ag.params]
@@ -295,7 +296,8 @@ def fit(args, device):
                                             args.dff, sz["B"], args.loss, device)
                 k = sh.kernel(args.layer, "torch", args.loss)
                 if kind == "diag":
-                    fn = lambda: [(s.diag(p), s.trace(p)) for s in [k.prepare(values)] for p in s.PARAMS]
+                    fn = lambda: [(d, s.trace(p)) for s in [k.prepare(values)]
+                                  for p, d in s.diagonals().items()]
                 elif kind == "frob":
                     fn = lambda: [s.frobenius_split(p, q) for s in [k.prepare(values)]
                                   for p in s.PARAMS for q in s.PARAMS]

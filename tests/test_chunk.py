@@ -57,15 +57,20 @@ def test_sliced_compacts_give_autograds_blocks_and_diagonals(name, backend, seed
         sliced = 0
         for p, q in chosen:
             nets = st.nets(p, q, "full")
-            sliced += len(list(chunk.chunked(st, nets, (0, 1)))) > len(nets)
+            sliced += len(list(chunk.chunked(st, {0: nets}, (0, 1)))) > len(nets)
             got = _numpy(st.hessian_block(p, q, "full"))
             scale = max(np.abs(ref[(p, q)]).max(), 1e-300)
             assert np.abs(got - ref[(p, q)]).max() <= TOL * scale, (budget, p, q)
+        fresh = k.prepare(values) if budget is None else k.prepare(values, memory_budget=budget)
+        order = list(rng.permutation(names))
+        together = fresh.diagonals("full", order)          # every slice formed once for all
+        assert list(together) == order
         for p in names:
             want = np.diag(ref[(p, p)])
-            got = _numpy(st.diag(p, "full"))
-            assert np.abs(got - want).max() <= TOL * max(np.abs(want).max(), 1e-300), (budget, p)
-            assert abs(float(_numpy(st.trace(p, "full"))) - want.sum()) <= TOL * np.abs(want).sum()
+            for got in (_numpy(st.diag(p, "full")), _numpy(together[p])):
+                assert np.abs(got - want).max() <= TOL * max(np.abs(want).max(), 1e-300), (budget, p)
+            for s in (st, fresh):
+                assert abs(float(_numpy(s.trace(p, "full"))) - want.sum()) <= TOL * np.abs(want).sum()
         assert (sliced > 0) == (budget is not None)
 
 
@@ -82,7 +87,7 @@ def test_slices_follow_the_budget():
         per_sequence = SIZES["L"] * SIZES["d_V"] ** 2
         assert (st.schedule.compact_limit >= per_sequence) == (budget == 4000)
         nets = st.nets("W_1", "W_1", "full")
-        counts.append(len(list(chunk.chunked(st, nets, (0,)))))
+        counts.append(len(list(chunk.chunked(st, {0: nets}, (0,)))))
         got = _numpy(st.diag("W_1", "full"))
         assert np.abs(got - want).max() <= TOL * np.abs(want).max()
     assert len(nets) < counts[0] < counts[1]

@@ -62,6 +62,10 @@ def test_hessian_and_ggn_operators_mse():
         ours = sh.operator(k, ds, part=part)
         assert close(ours @ v, theirs @ v) and close(ours @ M, theirs @ M)
         assert close(ours @ v.numpy(), theirs.to_scipy() @ v.numpy())
+        # the diagonals of every block in one pass = the diagonal of their dense matrix
+        dense = theirs @ torch.eye(40, dtype=torch.float64)
+        assert close(torch.cat([d.reshape(-1) for d in ds.diagonals(part).values()]),
+                     torch.diagonal(dense))
         # one block (curvlinops: the Hessian of the sub-model in W_Q alone)
         theirs_q = cls(model, nn.MSELoss(), [model.W_Q], data, check_deterministic=False)
         ours_q = sh.operator(k, ds, "W_Q", "W_Q", part)

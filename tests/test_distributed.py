@@ -30,6 +30,7 @@ def results(ds, k):
            "block": (sh.operator(k, ds, "W_Q", "W_K", "functional") @ v[:12]).numpy(),
            "row": (sh.operator(k, ds, "W_V", part="outer") @ v).numpy(),
            "diag": ds.diag("W_K").numpy(), "trace": ds.trace("W_Q", "outer"),
+           "diagonals": np.concatenate([d.numpy().ravel() for d in ds.diagonals("outer").values()]),
            "fro_dense": ds.frobenius_norm("W_Q", "W_K", "full", "dense"),
            "fro_pairs": ds.frobenius_norm("W_Q", "W_K", "full", "pairs"),
            "top": sh.spectrum(sh.operator(k, ds, "W_Q", "W_Q"), k=2, method="eigsh").values}

@@ -150,6 +150,8 @@ def _check(k, vals, seqs, d, backend, rng):
         M = rng.standard_normal((H_.shape[0], 3))       # columns vectorised together
         M /= np.linalg.norm(M)
         close(st_.hvp(conv(M), part), H_ @ M, ("hvp of a matrix", part))
+        for p, got in k.diagonals(V, part).items():          # every parameter in one pass
+            close(got, np.diag(ref[(p, p, part)]), ("diagonals", p, part))
         for p in names:
             close(st_.diag(p, part), np.diag(ref[(p, p, part)]), ("diag", p, part))
             close(np.array([st_.trace(p, part)]), np.array([np.trace(ref[(p, p, part)])]), ("trace", p, part))

@@ -460,6 +460,13 @@ class Dataset:
         check_part(part)
         return self._mean(lambda st: [st.diag(p, part)], "diag")[0]
 
+    def diagonals(self, part="full"):
+        """{p: the dataset mean of diag H_part(p, p)} for every parameter, each batch's in one
+        pass (``Forward.diagonals``)."""
+        check_part(part)
+        names = self.kernel.params
+        return dict(zip(names, self._mean(lambda st: [st.diagonals(part)[p] for p in names], "diag")))
+
     def trace(self, p, part="full"):
         check_part(part)
         return float(self._mean(lambda st: [float(st.trace(p, part))], "trace")[0])

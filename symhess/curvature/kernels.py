@@ -263,6 +263,11 @@ class Kernel:
         check_part(part)
         return self.prepare(values).diag(self._param(p), part)
 
+    def diagonals(self, values, part="full"):
+        """{p: diag H_part(p, p)} for every parameter, in one pass (``Forward.diagonals``)."""
+        check_part(part)
+        return self.prepare(values).diagonals(part)
+
     def trace(self, values, p, part="full"):
         """tr H_part(p, p)."""
         check_part(part)

@@ -18,9 +18,13 @@ operand that carries them, a compact to the compact of its networks narrowed the
 all the networks of the reduction (``cache``), and released before the next.  Chunks are as
 large as ``compact_limit`` allows.  Networks without such a compact are evaluated as they are.
 
+Several sums evaluated together (``dense_each``: the diagonals of all parameters of a block)
+share the slices: each compact's slice is formed once for every network of every sum that
+holds it, and released (``Compact.release``) after the last network that reaches it.
+
 Cost: the flops of forming each compact once (as when it fits) plus each network's per-chunk
-contraction; memory: a slice of each compact (≤ ``compact_limit`` entries) and the
-contractions' intermediates (≤ the schedule's ``limit``).
+contraction; memory: a slice of each compact alive in the slice (≤ ``compact_limit`` entries
+each) and the contractions' intermediates (≤ the schedule's ``limit``).
 """
 from __future__ import annotations
 
@@ -31,32 +35,50 @@ from . import network as N
 
 def dense(state, nets, groups=(0, 1)):
     """``network.dense`` with oversized compacts evaluated in slices (module docstring)."""
-    return N.dense(state, nets, groups, pieces=chunked(state, nets, groups)) if nets else None
+    return dense_each(state, {None: nets}, groups)[None] if nets else None
 
 
-def chunked(state, nets, groups):
-    """The networks of Σ ``nets`` with every oversized compact's batch (and token) axis cut
-    into slices: those without one first, as they are, then slice after slice."""
+def dense_each(state, sums, groups=(0, 1)):
+    """{key: ``dense(state, nets, groups)``} for the sums ``sums`` ({key: nets}) in one pass:
+    each slice of a compact that several of them hold is formed once for all (the diagonals
+    of a block's parameters share the per-token compacts of the layers above them)."""
+    sums = {k: list(nets) for k, nets in sums.items() if nets}
+    accs = {k: (None, N.layout(nets, groups)) for k, nets in sums.items()}
+    for key, n in chunked(state, sums, groups):
+        acc, (shape, flat) = accs[key]
+        accs[key] = (N.add_term(state, n, groups, acc, shape), (shape, flat))
+    return {k: state.ops.reshape(acc, flat) for k, (acc, (_, flat)) in accs.items()}
+
+
+def chunked(state, sums, groups):
+    """(key, network) for the networks of ``sums`` ({key: nets}) with every oversized
+    compact's batch (and token) axis cut into slices: the networks without one first, as they
+    are, then slice after slice; a slice's compacts are released after the last network that
+    holds them."""
     limit = state.schedule.compact_limit
     plans, plain = [], []
-    for n in nets:
+    for key, n in ((k, n) for k, nets in sums.items() for n in nets):
         cut = _cut_labels(state, n, groups, limit)
-        (plain if cut is None else plans).append((n, cut))
-    for n, _ in plain:
-        yield n
+        (plain if cut is None else plans).append((key, n, cut))
+    for key, n, _ in plain:
+        yield key, n
     if not plans:
         return
-    big = [c for _, (cs, _) in plans for c in cs]
+    big = [c for _, _, (cs, _) in plans for c in cs]
     s0, s1 = big[0].shape[0], big[0].shape[1]
     per_seq = max(c.entries // s0 for c in big)
     step0 = max(1, limit // per_seq)
     step1 = s1 if per_seq <= limit else max(1, limit // max(c.entries // (s0 * s1) for c in big))
+    last = {}                     # compact (nested ones too) → the last plan that reaches it
+    for i, (_, n, _) in enumerate(plans):
+        for c in _reached(n):
+            last[id(c)] = i
     for b in range(0, s0, step0):
         rb = (b, min(step0, s0 - b))
         for t in range(0, s1, step1):
             rt = (t, min(step1, s1 - t))
             cache = {}
-            for n, (_, (batch, tokens)) in plans:
+            for i, (key, n, (cs, (batch, tokens))) in enumerate(plans):
                 if step1 == s1 or not tokens:
                     cuts = [{batch: rb}]
                 else:                                   # the first token label in this slice,
@@ -65,8 +87,21 @@ def chunked(state, nets, groups):
                     cuts = [{batch: rb, first: rt, **dict(zip(rest, combo))}
                             for combo in itertools.product(*ranges)]
                 for cut in cuts:
-                    yield narrowed(state, n, cut, cache)
+                    yield key, narrowed(state, n, cut, cache)
+                for k in [k for k in cache if last.get(k[0]) == i]:
+                    cache.pop(k).release()
             del cache
+
+
+def _reached(n):
+    """The compacts a network holds, and those their networks hold, each once."""
+    seen, todo = {}, [op for op in n.ops if isinstance(op, N.Compact)]
+    while todo:
+        c = todo.pop()
+        if id(c) not in seen:
+            seen[id(c)] = c
+            todo.extend(op for m in c.nets for op in m.ops if isinstance(op, N.Compact))
+    return list(seen.values())
 
 
 def _cut_labels(state, n, groups, limit):

@@ -158,6 +158,10 @@ class Compact:
             self._array = acc
         return self._array
 
+    def release(self):
+        """Forget the materialised array (formed again from the networks if asked for)."""
+        self._array = None
+
     def cost(self, state):
         """Planned flops to materialise it (0 once done)."""
         if self._array is not None:
@@ -355,21 +359,31 @@ def accumulate(state, n, groups, acc=None, shape=None):
     return acc
 
 
-def dense(state, nets, groups=(0, 1), pieces=None):
-    """Σ nets laid out over the atoms of ``groups`` (C order), reshaped to one axis per group;
-    ``pieces``: the networks to accumulate instead of ``nets`` themselves (the same sum, e.g.
-    in slices: ``runtime.chunk``)."""
-    if not nets:
-        return None
+def layout(nets, groups):
+    """(shape, flat) of Σ nets over ``groups``: the sizes of the groups' atoms (C order) and
+    of each group as one axis."""
     first = nets[0]
     shape = [first.sizes[x] for g in groups for x in first.groups[g]]
+    return shape, [math.prod(first.sizes[x] for x in first.groups[g]) for g in groups]
+
+
+def dense(state, nets, groups=(0, 1)):
+    """Σ nets laid out over the atoms of ``groups`` (C order), reshaped to one axis per group
+    (``runtime.chunk.dense``: the same with oversized compacts formed in slices)."""
+    if not nets:
+        return None
+    shape, flat = layout(nets, groups)
     acc = None
-    for n in nets if pieces is None else pieces:
-        if [n.sizes[x] for g in groups for x in n.groups[g]] != shape:
-            raise RuntimeError("the networks of one block disagree on its layout")
-        acc = accumulate(state, n, groups, acc, shape)
-    flat = [math.prod(first.sizes[x] for x in first.groups[g]) for g in groups]
+    for n in nets:
+        acc = add_term(state, n, groups, acc, shape)
     return state.ops.reshape(acc, flat)
+
+
+def add_term(state, n, groups, acc, shape):
+    """``accumulate`` for one network of a block laid out as ``shape`` (``layout``)."""
+    if [n.sizes[x] for g in groups for x in n.groups[g]] != shape:
+        raise RuntimeError("the networks of one block disagree on its layout")
+    return accumulate(state, n, groups, acc, shape)
 
 
 def identified(state, n, a, b):

@@ -238,13 +238,24 @@ class Forward:
         O(B L² d_K d_V) flops, for H_o(W_K) two contractions of B L² d_K d (over the query
         token first, then with the value Gram matrix), the functional parts O(B L² d); memory
         O(B L d_K d_V) or less when sliced to the schedule's limit."""
-        nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
-        if not nets:
-            out = self.ops.zeros((self.numel(p),), like=self.like)
-        else:
-            out = chunk.dense(self, nets, groups=(0,))
-        self._diag_sums[(p, part)] = out.sum()
-        return out
+        return self.diagonals(part, (self._param(p),))[p]
+
+    def diagonals(self, part="full", params=None):
+        """{p: diag H_part(p, p)} for ``params`` (default: every parameter) in one pass.
+
+        Cost: each parameter's ``diag``, except that a per-token compact too large to keep
+        (``runtime.chunk``: a full block's LayerNorm and MLP Jacobians, B L d² entries) is
+        formed once per slice for every parameter whose networks hold it, not once per
+        parameter: the attention weights' diagonals of a post-LN block share all of theirs."""
+        _part(part)
+        params = self.PARAMS if params is None else tuple(self._param(p) for p in params)
+        nets = {p: [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)] for p in params}
+        out = chunk.dense_each(self, nets, groups=(0,))
+        for p in params:
+            if p not in out:
+                out[p] = self.ops.zeros((self.numel(p),), like=self.like)
+            self._diag_sums[(p, part)] = out[p].sum()
+        return {p: out[p] for p in params}
 
     def trace(self, p, part="full"):
         """tr H_part(p, p), without the block (the sum of ``diag`` when it was computed)."""
