@@ -10,8 +10,9 @@
   result, nothing per operation).  From finite values a non-finite result means the
   computation overflowed the dtype; the ``InputError`` names the quantity, the dtype, the
   largest entries of the values (and of the vector) as the likely cause and what to do.
-* ``all_finite(xs)`` — whether results and vectors are all finite: one reduction each and,
-  for torch tensors, one host read of their combined flag.  A prepared state's call reads
+* ``all_finite(xs)`` — whether results and vectors are all finite: one read-only reduction
+  each (a sum: finite only if every entry is) and, for torch tensors, one host read of their
+  combined flag.  A prepared state's call reads
   that one flag (``vector(..., deferred=[])`` leaves a vector's flag to it): on an
   accelerator it is the one synchronisation of the call; the results stay on the device.
 """
@@ -101,23 +102,31 @@ def _all_finite(x):
         return math.isfinite(x)
     if _is_tensor(x):
         import torch
-        return bool(torch.isfinite(x).all())
-    return bool(np.isfinite(x).all())
+        return bool(x.detach().sum().isfinite()) or bool(torch.isfinite(x).all())
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.sum(x))) or bool(np.isfinite(x).all())
 
 
 def all_finite(xs):
     """Whether every array, tensor or number in ``xs`` is finite; torch tensors are reduced
-    on their device and read once, together (module docstring)."""
-    flags = []
+    on their device and read once, together (module docstring).
+
+    A sum is finite only if every entry is (a NaN or inf entry makes it NaN or inf), so the
+    check is one read-only pass (a sum) per array; only when a sum is not finite (a NaN or
+    inf entry, or finite entries whose sum overflowed) are the entries tested one by one."""
+    flags, tensors = [], []
     for x in xs:
         if _is_tensor(x):
-            flags.append(x.detach().isfinite().all())
+            tensors.append(x.detach())
+            flags.append(tensors[-1].sum().isfinite())
         elif not _all_finite(x):
             return False
     if not flags:
         return True
     import torch
-    return bool(torch.stack(flags).all()) if len(flags) > 1 else bool(flags[0])
+    if bool(torch.stack(flags).all()) if len(flags) > 1 else bool(flags[0]):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _max_abs(a):
