@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ac24dc51750335cb6a1cd618"
+    STAMP = "f2a46d7a5fcf3e5068b8e0a1"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -310,7 +310,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "6851caceec11dec72fc82f81"
+    STAMP = "8c45450b5aa5f82793599916"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -596,7 +596,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "40c8ab3ef7c10ab37a7c94b2"
+    STAMP = "fd2296f66d4637d1809dabd9"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -907,7 +907,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "cfbfdb5ce5a9c8fe052b8002"
+    STAMP = "83c77b405acf5befdd92079a"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -1220,4 +1220,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "3037726985ca9413c25e524d"
+CHECKSUM = "dea46fec4d96967e27e41476"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "e216c9ef1f3b6a6ba534ef04"
+    STAMP = "fde3b151530436e34c67ef34"
 
     @leaf
     def H(s):
@@ -157,7 +157,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "326822cf6995be27c6316df4"
+    STAMP = "92b22a4107838924163aab94"
 
     @leaf
     def H(s):
@@ -310,4 +310,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "270badb26def5ba190db0246"
+CHECKSUM = "8ce9bf382178864c4218e8ea"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a7db77c26bf001976f80c936"
+    STAMP = "1bb76c709a5f0542299eac07"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -305,7 +305,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "6f310a3f3dba0397e8060a5c"
+    STAMP = "18a571a6e979de10b9c8689f"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -550,7 +550,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a5f951f9202ceca4c5867ac7"
+    STAMP = "52c7cc6442b50e93d8275819"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -841,7 +841,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "6d49493d69094adce74dba18"
+    STAMP = "f9e0491819ae01d5f110aca9"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -1119,4 +1119,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "94189e96f8d74cd8b14e7c07"
+CHECKSUM = "86124ba7de5d8d0e3ced4bc7"

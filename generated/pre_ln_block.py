@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "7b76af28d4c63edc6a5c67c8"
+    STAMP = "118954620c87b7fcc8e6ea00"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -412,36 +412,43 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def S_5(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product shared by several compacts as a compact tensor (1 network)."""
         return Compact('S_5', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+            net(1, 'nab,cb,bd->nadc', s.t_9, s.W_1, s.W_2),
         ])
 
     @leaf
     def S_6(s):
-        """A sum as a compact tensor (3 networks)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
-            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de,naef->nabf', s.S_2, s.W_1, s.t_9, s.W_2, s.S_5),
-            net(2/(s.L*s.d_K*s.d_V), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
         ])
 
     @leaf
     def S_7(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A sum as a compact tensor (3 networks)."""
         return Compact('S_7', [
+            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nade,nadc->nabe', s.S_2, s.S_6, s.S_5),
+            net(2/(s.L*s.d_K*s.d_V), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
+        ])
+
+    @leaf
+    def S_8(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
         ])
 
     @leaf
-    def S_8(s):
+    def S_9(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_8', [
+        return Compact('S_9', [
             net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
             net(1, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_8),
         ])
 
     @leaf
@@ -454,239 +461,239 @@ class mse_bias0_causal0(Forward):
         ])
 
     @leaf
-    def S_9(s):
+    def S_10(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
+        return Compact('S_10', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_9, s.S_4, s.t_4, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_10(s):
+    def S_11(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
+        return Compact('S_11', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_9, s.S_4, s.t_4, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_11(s):
+    def S_12(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_11', [
+        return Compact('S_12', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
             net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_12(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_12', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
-        ])
-
-    @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_9, s.W_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_16(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_12, s.S_5),
+        ])
+
+    @leaf
+    def S_17(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_17', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_17(s):
+    def S_18(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_17', [
+        return Compact('S_18', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
             net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
-        ])
-
-    @leaf
     def S_19(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
-            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_9, s.W_2),
+            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_20(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_20', [
+            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_18, s.S_5),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_21', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+            net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_10, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_21, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_11, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_9, s.t_22, s.S_13),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.t_11),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.t_10),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_9, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_10, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_23, s.N_1, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_23, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_23, s.N_1, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_9, s.t_22, s.S_13),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.t_11),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.t_10),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_24, s.t_22, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_24, s.S_17, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_24, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_24, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_24, s.S_18, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_24, s.S_18, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_24, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_18, s.S_8, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_19, s.S_9, s.t_22, s.S_13),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_19, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_20, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
@@ -698,7 +705,7 @@ class mse_bias0_causal0(Forward):
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_19, s.t_10),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_20, s.t_10),
         ]
 
     def block__W_V__W_2__functional(s):
@@ -734,20 +741,20 @@ class mse_bias0_causal0(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_21, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_21, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
         ]
 
     def jacobian__W_1(s):
@@ -864,7 +871,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "a39fc9c39ff1eb6441d7e890"
+    STAMP = "d78bc671efb8eb78a5080522"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -1252,36 +1259,43 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def S_5(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product shared by several compacts as a compact tensor (1 network)."""
         return Compact('S_5', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+            net(1, 'nab,cb,bd->nadc', s.t_9, s.W_1, s.W_2),
         ])
 
     @leaf
     def S_6(s):
-        """A sum as a compact tensor (3 networks)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
-            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de,naef->nabf', s.S_2, s.W_1, s.t_9, s.W_2, s.S_5),
-            net(2/(s.L*s.d_K*s.d_V), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
         ])
 
     @leaf
     def S_7(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A sum as a compact tensor (3 networks)."""
         return Compact('S_7', [
+            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nade,nadc->nabe', s.S_2, s.S_6, s.S_5),
+            net(2/(s.L*s.d_K*s.d_V), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
+        ])
+
+    @leaf
+    def S_8(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
         ])
 
     @leaf
-    def S_8(s):
+    def S_9(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_8', [
+        return Compact('S_9', [
             net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
             net(1, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_8),
         ])
 
     @leaf
@@ -1294,239 +1308,239 @@ class mse_bias0_causal1(Forward):
         ])
 
     @leaf
-    def S_9(s):
+    def S_10(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
+        return Compact('S_10', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_9, s.S_4, s.t_4, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_10(s):
+    def S_11(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
+        return Compact('S_11', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_9, s.S_4, s.t_4, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_11(s):
+    def S_12(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_11', [
+        return Compact('S_12', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
             net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_12(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_12', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
-        ])
-
-    @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_9, s.W_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_16(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_12, s.S_5),
+        ])
+
+    @leaf
+    def S_17(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_17', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_17(s):
+    def S_18(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_17', [
+        return Compact('S_18', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
             net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
-        ])
-
-    @leaf
     def S_19(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
-            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_9, s.W_2),
+            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_20(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_20', [
+            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_18, s.S_5),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_21', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+            net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_10, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_21, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_11, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_9, s.t_22, s.S_13),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.t_11),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.t_10),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_9, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_10, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_23, s.N_1, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_23, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_23, s.N_1, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_9, s.t_22, s.S_13),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.t_11),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.t_10),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_24, s.t_22, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_24, s.S_17, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_24, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_24, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_24, s.S_18, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_24, s.S_18, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_24, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_18, s.S_8, s.t_22, s.S_12),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_19, s.S_9, s.t_22, s.S_13),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_19, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_20, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
@@ -1538,7 +1552,7 @@ class mse_bias0_causal1(Forward):
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_19, s.t_10),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_20, s.t_10),
         ]
 
     def block__W_V__W_2__functional(s):
@@ -1574,20 +1588,20 @@ class mse_bias0_causal1(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_21, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_21, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
         ]
 
     def jacobian__W_1(s):
@@ -1704,7 +1718,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "cde2d38140bec00dab8cd3fd"
+    STAMP = "76bcf3cb298a3b1370d106ac"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -2092,10 +2106,17 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def S_3(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product shared by several compacts as a compact tensor (1 network)."""
         return Compact('S_3', [
+            net(1, 'nab,cb,bd->nadc', s.t_11, s.W_1, s.W_2),
+        ])
+
+    @leaf
+    def S_4(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_4', [
             net(1/(s.L*s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_2, s.W_1, s.t_11, s.W_2),
+            net(1, 'nabc,nadc->nabd', s.S_2, s.S_3),
         ])
 
     @leaf
@@ -2107,44 +2128,44 @@ class ce_bias0_causal0(Forward):
         ])
 
     @leaf
-    def S_4(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_4', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
-        ])
-
-    @leaf
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_11, s.W_1, s.S_4, s.S_5),
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
+        ])
+
+    @leaf
+    def S_8(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_34, ONES, s.M_N_2),
         ])
 
     @leaf
-    def S_8(s):
+    def S_9(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_8', [
+        return Compact('S_9', [
             net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.d_V}),
             net(1, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_8),
         ])
 
     @leaf
@@ -2157,251 +2178,251 @@ class ce_bias0_causal0(Forward):
         ])
 
     @leaf
-    def S_9(s):
+    def S_10(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
+        return Compact('S_10', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_6, s.S_9, s.S_6, s.t_6, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_10(s):
+    def S_11(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
+        return Compact('S_11', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_6, s.S_9, s.S_6, s.t_6, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_11(s):
+    def S_12(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_11', [
+        return Compact('S_12', [
             net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_12(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_12', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_11, s.W_2),
-        ])
-
-    @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_12, s.S_3),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
         ])
 
     @leaf
     def S_16(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_17(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_17', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_17(s):
+    def S_18(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_17', [
+        return Compact('S_18', [
             net(1/s.L, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_11, s.W_2),
-        ])
-
-    @leaf
     def S_19(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
-            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_18, s.S_3),
         ])
 
     @leaf
     def S_20(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_20', [
+            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_21', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_11, s.W_1, s.S_4, s.S_5),
+            net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.N_1, s.t_7),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_7),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_10, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t_2, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_24, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_8, s.N_1),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_11, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_15),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_16, s.S_9, s.t_25, s.S_14),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.t_14),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_26, s.N_1, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_9, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_10, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_26, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_15),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_26, s.N_1, s.dA, s.N_1, s.W_V, s.S_16, s.S_9, s.t_25, s.S_14),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.t_14),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_18, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_27, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_27, s.S_19, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_19, s.S_8, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_20, s.S_9, s.t_25, s.S_14),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_27, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_27, s.S_19, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_27, s.S_5, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_27, s.S_6, s.S, s.t_14),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_18, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_27, s.S_5, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_27, s.S_6, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -2431,20 +2452,20 @@ class ce_bias0_causal0(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_6, s.dA, s.N_1, s.t_7),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_21, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_21, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_25, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
         ]
 
     def jacobian__W_1(s):
@@ -2561,7 +2582,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "a004b001a5043a8c1054d74d"
+    STAMP = "ae31a86d41f62a61686a1d65"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -2949,10 +2970,17 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def S_3(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product shared by several compacts as a compact tensor (1 network)."""
         return Compact('S_3', [
+            net(1, 'nab,cb,bd->nadc', s.t_11, s.W_1, s.W_2),
+        ])
+
+    @leaf
+    def S_4(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_4', [
             net(1/(s.L*s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_2, s.W_1, s.t_11, s.W_2),
+            net(1, 'nabc,nadc->nabd', s.S_2, s.S_3),
         ])
 
     @leaf
@@ -2964,44 +2992,44 @@ class ce_bias0_causal1(Forward):
         ])
 
     @leaf
-    def S_4(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_4', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
-        ])
-
-    @leaf
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_11, s.W_1, s.S_4, s.S_5),
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
+        ])
+
+    @leaf
+    def S_8(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_34, ONES, s.M_N_2),
         ])
 
     @leaf
-    def S_8(s):
+    def S_9(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_8', [
+        return Compact('S_9', [
             net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.d_V}),
             net(1, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_8),
         ])
 
     @leaf
@@ -3014,251 +3042,251 @@ class ce_bias0_causal1(Forward):
         ])
 
     @leaf
-    def S_9(s):
+    def S_10(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
+        return Compact('S_10', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_6, s.S_9, s.S_6, s.t_6, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_10(s):
+    def S_11(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
+        return Compact('S_11', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_6, s.S_9, s.S_6, s.t_6, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_11(s):
+    def S_12(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_11', [
+        return Compact('S_12', [
             net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_12(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_12', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_11, s.W_2),
-        ])
-
-    @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_12, s.S_3),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
         ])
 
     @leaf
     def S_16(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_17(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_17', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_17(s):
+    def S_18(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_17', [
+        return Compact('S_18', [
             net(1/s.L, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_11, s.W_2),
-        ])
-
-    @leaf
     def S_19(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
-            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_18, s.S_3),
         ])
 
     @leaf
     def S_20(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_20', [
+            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_21', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_11, s.W_1, s.S_4, s.S_5),
+            net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.N_1, s.t_7),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_7),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_10, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t_2, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_24, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_8, s.N_1),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_11, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_15),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_16, s.S_9, s.t_25, s.S_14),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.t_14),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_26, s.N_1, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_9, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_10, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_26, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_15),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_26, s.N_1, s.dA, s.N_1, s.W_V, s.S_16, s.S_9, s.t_25, s.S_14),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.t_14),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_18, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_27, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_27, s.S_19, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_19, s.S_8, s.t_25, s.S_13),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_20, s.S_9, s.t_25, s.S_14),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_27, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_27, s.S_19, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_27, s.S_5, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_27, s.S_6, s.S, s.t_14),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_18, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_27, s.S_5, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_27, s.S_6, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -3288,20 +3316,20 @@ class ce_bias0_causal1(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_6, s.dA, s.N_1, s.t_7),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_21, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_21, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_25, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
         ]
 
     def jacobian__W_1(s):
@@ -3420,4 +3448,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "138ff571524c47512321c7b8"
+CHECKSUM = "aa59b618d49c77faa08eab95"

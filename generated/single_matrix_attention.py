@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "8f8fcccb39c834b9cecc26e5"
+    STAMP = "b984e214c426360b9af6c804"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "7129bb8e30ec195a38f960ff"
+    STAMP = "bbbd569a524454dddb950974"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "71a3db85c7dafa0208d4a33c"
+    STAMP = "6108d8228e4100d4ac3f814f"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_21 X': 2,
@@ -660,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "618b8ef21a63c6896697df55"
+    STAMP = "f5607d4f9b5cf9258a060c61"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_21 X': 2,
@@ -890,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "ee39b95e5a934b1ecf56b884"
+CHECKSUM = "d4eba2a0d30e5483f2bb71cf"

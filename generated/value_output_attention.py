@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "ccd5b674168ab777f694068f"
+    STAMP = "95a5ebca9c6fc0c6a424d2bf"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -432,7 +432,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "b9b816c30c16a1c0a103f3e0"
+    STAMP = "f4758468a0c273e9291a40e5"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -840,7 +840,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "5456f57ccc1455af564341ac"
+    STAMP = "c4ef32478dad659aac1fc861"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1258,7 +1258,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "85baa2a1ea1be7d08c64ada6"
+    STAMP = "b8b7edf75f015461265eb13d"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1678,4 +1678,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "3415b9b3ab62051aadaf26af"
+CHECKSUM = "af591b63f91aab41c681bc40"

@@ -9,7 +9,8 @@ its matrix-view routines.
   atoms, grouped into the block's row atoms (W_p's) and column atoms (W_q's);
 * every Jacobian ∂vec_r F/∂vec_r W_p likewise, over F's atoms and W_p's;
 * the compact tensors those terms use (block-diagonal sums such as M_2, kept as per-token
-  arrays), each a list of terms over its own axes;
+  arrays), each a list of terms over its own axes, and the products of leaves that several
+  of those terms hold (``codegen.share``: the MLP's per-token Jacobian of a full block);
 
 and collects the plain-matrix *leaves* the operands read (A, X W_K, the output gradient …)
 and the matrix-view routines (loss, gradient, Hessian–vector products, the layer's check
@@ -28,6 +29,7 @@ import sympy as sp
 from ..expr import nodes as E
 from ..calculus.hessian import Derivation
 from .factor import factor_shared
+from .share import share
 from .index import Lowering
 
 HALVES = ("outer", "functional")
@@ -82,6 +84,7 @@ class Program:
                 prog.blocks[(p, q, part)] = prog._lower(lw, expr, d.param(p).shape, d.param(q).shape)
         for p in (names if jacobians is True else jacobians or ()):
             prog.jacobians[p] = prog._lower(lw, d.jacobian(p), d.F.shape, d.param(p).shape)
+        share(prog)
         return prog
 
     def _lower(self, lw, expr, row_shape, col_shape):
