@@ -20,7 +20,8 @@ large as ``compact_limit`` allows.  Networks without such a compact are evaluate
 
 Several sums evaluated together (``dense_each``: the diagonals of all parameters of a block)
 share the slices: each compact's slice is formed once for every network of every sum that
-holds it, and released (``Compact.release``) after the last network that reaches it.
+holds it, and released (``Compact.release``) as soon as no network left in the slice can
+read it (a compact whose slice is formed no longer needs the compacts it was formed from).
 
 Cost: the flops of forming each compact once (as when it fits) plus each network's per-chunk
 contraction; memory: a slice of each compact alive in the slice (≤ ``compact_limit`` entries
@@ -53,8 +54,8 @@ def dense_each(state, sums, groups=(0, 1)):
 def chunked(state, sums, groups):
     """(key, network) for the networks of ``sums`` ({key: nets}) with every oversized
     compact's batch (and token) axis cut into slices: the networks without one first, as they
-    are, then slice after slice; a slice's compacts are released after the last network that
-    holds them."""
+    are, then slice after slice; a slice's compacts are released once no network left in the
+    slice can read them."""
     limit = state.schedule.compact_limit
     plans, plain = [], []
     for key, n in ((k, n) for k, nets in sums.items() for n in nets):
@@ -69,10 +70,6 @@ def chunked(state, sums, groups):
     per_seq = max(c.entries // s0 for c in big)
     step0 = max(1, limit // per_seq)
     step1 = s1 if per_seq <= limit else max(1, limit // max(c.entries // (s0 * s1) for c in big))
-    last = {}                     # compact (nested ones too) → the last plan that reaches it
-    for i, (_, n, _) in enumerate(plans):
-        for c in _reached(n):
-            last[id(c)] = i
     for b in range(0, s0, step0):
         rb = (b, min(step0, s0 - b))
         for t in range(0, s1, step1):
@@ -88,20 +85,24 @@ def chunked(state, sums, groups):
                             for combo in itertools.product(*ranges)]
                 for cut in cuts:
                     yield key, narrowed(state, n, cut, cache)
-                for k in [k for k in cache if last.get(k[0]) == i]:
+                needed = _needed([m for _, m, _ in plans[i + 1:]], cache)
+                for k in [k for k in cache if k[0] not in needed]:
                     cache.pop(k).release()
             del cache
 
 
-def _reached(n):
-    """The compacts a network holds, and those their networks hold, each once."""
-    seen, todo = {}, [op for op in n.ops if isinstance(op, N.Compact)]
+def _needed(nets, cache):
+    """The compacts (by id) that evaluating ``nets`` may still read: those they hold, and
+    those held by the networks of a compact whose slice is not formed yet (``cache``)."""
+    formed = {k[0] for k, c in cache.items() if c.materialised}
+    seen, todo = set(), [op for n in nets for op in n.ops if isinstance(op, N.Compact)]
     while todo:
         c = todo.pop()
         if id(c) not in seen:
-            seen[id(c)] = c
-            todo.extend(op for m in c.nets for op in m.ops if isinstance(op, N.Compact))
-    return list(seen.values())
+            seen.add(id(c))
+            if id(c) not in formed:
+                todo.extend(op for m in c.nets for op in m.ops if isinstance(op, N.Compact))
+    return seen
 
 
 def _cut_labels(state, n, groups, limit):
