@@ -159,7 +159,7 @@ def as_backend(backend, x, kind):
 # ----------------------------------------------------------------------------- kernels
 ENTRY = ("loss", "gradient", "hvp", "diag", "trace", "frobenius_norm", "hessian_block",
          "hessian", "frobenius_split", "jacobian", "state.hvp", "state.block_hvp", "state.diag",
-         "state.trace", "interpreter")
+         "state.diagonals", "state.trace", "interpreter")
 
 
 @SETTINGS
@@ -183,6 +183,7 @@ def test_kernel_methods_and_prepared_states_refuse_or_are_right(data, backend, n
              "state.hvp": lambda: k.prepare(values).hvp(vb),
              "state.block_hvp": lambda: k.prepare(values).block_hvp("W_Q", "W_V", vb[12:]),
              "state.diag": lambda: k.prepare(values).diag("W_V"),
+             "state.diagonals": lambda: k.prepare(values).diagonals()["W_V"],
              "state.trace": lambda: k.prepare(values).trace("W_V"),
              "interpreter": lambda: DERIVATION.block("W_K", "W_Q").evaluate(values, backend=backend)}
     status, out = outcome(calls[entry])
@@ -220,7 +221,7 @@ def test_kernel_methods_and_prepared_states_refuse_or_are_right(data, backend, n
         assert close(out, H @ v, np.abs(H).max() * np.abs(v).sum())
     elif entry == "state.block_hvp":
         assert close(out, H[:6, 12:] @ v[12:], np.abs(H).max() * np.abs(v).sum())
-    elif entry in ("diag", "state.diag"):
+    elif entry in ("diag", "state.diag", "state.diagonals"):
         sl = slice(0, 6) if entry == "diag" else slice(12, 21)
         assert close(out, np.diag(H)[sl], np.abs(H).max())
     elif entry in ("hessian_block", "interpreter"):

@@ -36,7 +36,7 @@ leaf = cached_property
 
 # the public results, each checked once for NaN/inf (``runtime.checks.finite``) when it is
 # returned (a non-finite result from finite values: an overflow, named with its cause)
-RESULTS = ("loss", "gradient", "hvp", "block_hvp", "diag", "trace", "frobenius_norm",
+RESULTS = ("loss", "gradient", "hvp", "block_hvp", "diag", "diagonals", "trace", "frobenius_norm",
            "frobenius_split", "frobenius_norms", "hessian_block", "hessian")
 
 
