@@ -16,7 +16,8 @@ single sequence still does not fit, their token axis) are narrowed to a slice in
 operand that carries them, a compact to the compact of its networks narrowed the same way
 (nested compacts too), so that each compact is formed only for the slice, once per slice for
 all the networks of the reduction (``cache``), and released before the next.  Chunks are as
-large as ``compact_limit`` allows.  Networks without such a compact are evaluated as they are.
+large as ``compact_limit`` allows.  Networks without such a compact, and those whose
+compacts plan fewer flops inlined than formed (``_inlining_pays``), are evaluated as they are.
 
 Several sums evaluated together (``dense_each``: the diagonals of all parameters of a block)
 share the slices: each compact's slice is formed once for every network of every sum that
@@ -60,6 +61,8 @@ def chunked(state, sums, groups):
     plans, plain = [], []
     for key, n in ((k, n) for k, nets in sums.items() for n in nets):
         cut = _cut_labels(state, n, groups, limit)
+        if cut is not None and _inlining_pays(state, n, groups, cut[0]):
+            cut = None
         (plain if cut is None else plans).append((key, n, cut))
     for key, n, _ in plain:
         yield key, n
@@ -103,6 +106,18 @@ def _needed(nets, cache):
             if id(c) not in formed:
                 todo.extend(op for m in c.nets for op in m.ops if isinstance(op, N.Compact))
     return seen
+
+
+def _inlining_pays(state, n, groups, big):
+    """Whether the network with every compact inlined (what ``network.resolve`` does with a
+    compact too large to keep) plans fewer flops than forming the oversized ones, in slices,
+    and contracting with them: attention's per-token moments (B L d² entries) are cheaper
+    inlined, where the planner contracts per token over d_K, than formed."""
+    flat = N._inlined(n, N.JOINT_MAX)
+    if flat is None:
+        return False
+    formed = N._flops(state, n, groups) + sum(c.cost(state) for c in big)
+    return N._cheaper(state, flat, groups, formed)
 
 
 def _cut_labels(state, n, groups, limit):
