@@ -91,3 +91,20 @@ def test_slices_follow_the_budget():
         got = _numpy(st.diag("W_1", "full"))
         assert np.abs(got - want).max() <= TOL * np.abs(want).max()
     assert len(nets) < counts[0] < counts[1]
+
+
+def test_attention_moments_over_the_limit_give_autograds_diagonals():
+    """Attention's per-token moments over the compact limit are either inlined (the planner
+    contracts per token over d_K) or formed in slices, whichever plans fewer flops at the
+    call's sizes; either way its diagonals are autograd's."""
+    der = sh.derive(sh.layer("attention"), "mse")
+    values = _batch(der, (10, 11))
+    ref = _reference(der, values)
+    k = sh.kernel("attention", "torch", "mse")
+    st = k.prepare(values, memory_budget=200)
+    got = st.diagonals("full")
+    assert any(op.entries > st.schedule.compact_limit for p in der.layer.param_names
+               for n in st.nets(p, p, "full") for op in n.ops if hasattr(op, "entries"))
+    for p in der.layer.param_names:
+        want = np.diag(ref[(p, p)])
+        assert np.abs(_numpy(got[p]) - want).max() <= TOL * np.abs(want).max(), p
