@@ -465,7 +465,8 @@ class Dataset:
         pass (``Forward.diagonals``)."""
         check_part(part)
         names = self.kernel.params
-        return dict(zip(names, self._mean(lambda st: [st.diagonals(part)[p] for p in names], "diag")))
+        return dict(zip(names, self._mean(
+            lambda st: [d[p] for d in [st.diagonals(part)] for p in names], "diag")))
 
     def trace(self, p, part="full"):
         check_part(part)
