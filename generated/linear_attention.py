@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "1bb76c709a5f0542299eac07"
+    STAMP = "bf87c6dc28a046ca07a28907"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -305,7 +305,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "18a571a6e979de10b9c8689f"
+    STAMP = "50ec145bd5e136b737f01067"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -550,7 +550,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "52c7cc6442b50e93d8275819"
+    STAMP = "9e7c9699e0c3604887194ef7"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -841,7 +841,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "f9e0491819ae01d5f110aca9"
+    STAMP = "b10b48356b610931bc9f10aa"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -1119,4 +1119,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "86124ba7de5d8d0e3ced4bc7"
+CHECKSUM = "66637c1ee6ffc049a4476625"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "40acfe1bb6170890689e6ca2"
+    STAMP = "22d1227985488266bc015f6d"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_161'": 2,
@@ -1802,7 +1802,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "f56dc4aad2d0e90c9fbb8611"
+    STAMP = "247e5738985f9479a12d9d93"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_161'": 2,
@@ -3580,7 +3580,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "066b9008961b0f33122ca794"
+    STAMP = "92bacdb7ffedd7bd924f628f"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_165'": 2,
@@ -5324,7 +5324,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "286e2abd3c698b341328e55a"
+    STAMP = "968ff24f428ecbf4e6c1c495"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_165'": 2,
@@ -7070,4 +7070,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "81dbc49ca03ab515131fd44a"
+CHECKSUM = "9130e0a24be9620196ef806d"

@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "118954620c87b7fcc8e6ea00"
+    STAMP = "1892cb2e8c6021c2e68b65a9"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -871,7 +871,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "d78bc671efb8eb78a5080522"
+    STAMP = "1b48e278da390031e4c18262"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -1718,7 +1718,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "76bcf3cb298a3b1370d106ac"
+    STAMP = "cc81fedc32d743dcddcc8f74"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -2582,7 +2582,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "ae31a86d41f62a61686a1d65"
+    STAMP = "52aa267291d79168749152c0"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -3448,4 +3448,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "aa59b618d49c77faa08eab95"
+CHECKSUM = "93cf0b39ae19891039cce916"

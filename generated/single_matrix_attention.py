@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "b984e214c426360b9af6c804"
+    STAMP = "25d9b6ffc043d00b7f5ba5bf"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "bbbd569a524454dddb950974"
+    STAMP = "fc07072e2d449ad5647d1025"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "6108d8228e4100d4ac3f814f"
+    STAMP = "9e30e1813850493fb104541a"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_21 X': 2,
@@ -660,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "f5607d4f9b5cf9258a060c61"
+    STAMP = "79de14b2f42eec782b7f1e86"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_21 X': 2,
@@ -890,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "d4eba2a0d30e5483f2bb71cf"
+CHECKSUM = "b754ff4eede219d71c280c00"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "95a5ebca9c6fc0c6a424d2bf"
+    STAMP = "6a1b03469f5c4c97e9cdd9c2"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -432,7 +432,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "f4758468a0c273e9291a40e5"
+    STAMP = "870613c4fd6ae6240f87a2bf"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -840,7 +840,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "c4ef32478dad659aac1fc861"
+    STAMP = "9ed2bd688339cf4381f4e6dd"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1258,7 +1258,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "b8b7edf75f015461265eb13d"
+    STAMP = "a8235eb40b046c96b4931d2f"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1678,4 +1678,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "af591b63f91aab41c681bc40"
+CHECKSUM = "bccf6431b03fbc9cecc7bebc"

@@ -730,10 +730,7 @@ def _matmul(pr, n):
     all-ones factor 1_k 1_mᵀ splits the chain: P 1 Q = (P 1_k)(1_mᵀ Q), each side a chain
     ending (starting) with a ones vector, so P 1_k is matrix–vector products from the right
     (X' A' t 1: t 1 first), never P itself; P 1 alone is kept as its column (``form``)."""
-    c, f = sp.Integer(1), list(n.args)
-    for i, x in enumerate(f):                   # scalars of shared sums onto the result
-        cx, f[i] = _hoisted(pr, x)
-        c *= cx
+    c, f = _hoisted_factors(pr, n.args)         # scalars of shared sums onto the result
     return _scaled(pr, c, (yield from _chain_code(pr, f, n)))
 
 
@@ -819,11 +816,9 @@ def _sum_code(pr, n, mean=False):
         parts = []
         for i in members:
             c, core = items[i]
-            factors = _chain_factors(pr, core.args)
-            for j, x in enumerate(factors):
-                cx, factors[j] = _hoisted(pr, x)
-                c = sp.sympify(c) * cx
+            c2, factors = _hoisted_factors(pr, _chain_factors(pr, core.args))
             codes, names = yield from _factors(pr, factors)
+            c = sp.sympify(c) * c2
             parts.append(f"({_py_coef(pr, c)}, {names!r}, " + ", ".join(codes) + ")")
         flag = ", mean=True" if mean else ""
         head = f"s.mm_sum({side!r}, " + ", ".join(parts) + flag + ")"
@@ -879,10 +874,7 @@ def _lin_term(pr, c, t, mean=False):
     if scaled is not None and pr.uses(scaled[1]) > 1:       # c·(c′·S) as (c c′, S)
         return f"({pr.coef(sp.sympify(c) * scaled[0])}, {(yield 'ccode', scaled[1])})"
     if _deferred(pr, t):
-        factors, c2 = list(t.args), sp.Integer(1)
-        for j, x in enumerate(factors):
-            cx, factors[j] = _hoisted(pr, x)
-            c2 *= cx
+        c2, factors = _hoisted_factors(pr, t.args)
         coef = pr.coef(sp.sympify(c) * c2) if c2 != 1 else coef
         codes, names = yield from _factors(pr, factors)
         return f"({coef}, s.prod({names!r}, " + ", ".join(codes) + "))"
@@ -918,6 +910,16 @@ def _hoisted(pr, node):
     if scaled is not None and pr.uses(scaled[1]) > 1:
         return scaled
     return one, node
+
+
+def _hoisted_factors(pr, factors):
+    """(c, factors′): the product of ``factors`` is c times that of factors′, each factor
+    ``_hoisted``."""
+    c, out = sp.Integer(1), []
+    for x in factors:
+        cx, g = _hoisted(pr, x)
+        c, out = c * cx, out + [g]
+    return c, out
 
 
 def _deferred(pr, t):
