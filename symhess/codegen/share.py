@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+from ..runtime.network import components
+
 
 class SharedProduct:
     """The key of a compact that is a product of leaves (``Program.compacts``)."""
@@ -78,26 +80,9 @@ def _components(t):
     atoms = {k: t.operands[k].rows + t.operands[k].cols for k in leaf}
     in_leaves = Counter(a for k in leaf for a in atoms[k])
     internal = {a for a, n in in_leaves.items() if n == count[a] and a not in out_atoms}
-    parent = {k: k for k in leaf}
-
-    def find(k):
-        while parent[k] != k:
-            k = parent[k]
-        return k
-
-    owner = {}
-    for k in leaf:
-        for a in atoms[k]:
-            if a in internal:
-                if a in owner:
-                    parent[find(k)] = find(owner[a])
-                else:
-                    owner[a] = k
-    groups = {}
-    for k in leaf:
-        groups.setdefault(find(k), []).append(k)
     result = []
-    for comp in groups.values():
+    for group in components([atoms[k] for k in leaf], internal.__contains__):
+        comp = [leaf[j] for j in group]
         refs = [t.operands[k].ref for k in comp]
         if len(comp) < 2 or len(set(refs)) < len(refs):
             continue

@@ -122,27 +122,7 @@ def token_form(state, n):
 def _components(n, tau):
     """Operand positions per component of ``n`` without the labels ``tau`` (None unless there
     are at least two and each carries every token label)."""
-    parent = list(range(len(n.ops)))
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    holder = {}
-    for i, ls in enumerate(n.labels):
-        for x in ls:
-            if x in tau:
-                continue
-            if x in holder:
-                parent[find(i)] = find(holder[x])
-            else:
-                holder[x] = i
-    groups = {}
-    for i in range(len(n.ops)):
-        groups.setdefault(find(i), []).append(i)
-    comps = list(groups.values())
+    comps = N.components(n.labels, lambda x: x not in tau)
     if len(comps) < 2:
         return None
     for ops in comps:

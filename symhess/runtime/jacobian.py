@@ -81,28 +81,8 @@ class CompactJacobian:
         axis_of = {lab: k for k, lab in enumerate(self._axis_labels(labels, cls))}
         batch = set(m.groups[0])
         keep = set(axis_of) | batch
-        parent = list(range(len(m.ops)))
-
-        def find(i):
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
-        owner = {}
-        for i, ls in enumerate(m.labels):
-            for lab in ls:
-                if lab in keep:
-                    continue
-                if lab in owner:
-                    parent[find(i)] = find(owner[lab])
-                else:
-                    owner[lab] = i
-        groups = {}
-        for i in range(len(m.ops)):
-            groups.setdefault(find(i), []).append(i)
         axes, factors = [], []
-        for gi, members in enumerate(groups.values()):
+        for gi, members in enumerate(N.components(m.labels, lambda lab: lab not in keep)):
             carried = [lab for lab in axis_of if any(lab in m.labels[i] for i in members)]
             carried.sort(key=axis_of.get)
             has_batch = any(b in m.labels[i] for i in members for b in batch)

@@ -126,6 +126,33 @@ def _shape(op):
     return op.shape
 
 
+def components(labels, joins):
+    """The positions of the operands whose label tuples ``labels`` are joined, directly or
+    through others, by a label for which ``joins(label)`` holds (a summed label inside one
+    factor), as lists in ascending order, ordered by their first position."""
+    parent = list(range(len(labels)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    holder = {}
+    for i, ls in enumerate(labels):
+        for x in ls:
+            if not joins(x):
+                continue
+            if x in holder:
+                parent[find(i)] = find(holder[x])
+            else:
+                holder[x] = i
+    groups = {}
+    for i in range(len(labels)):
+        groups.setdefault(find(i), []).append(i)
+    return list(groups.values())
+
+
 class Compact:
     """A tensor defined as a sum of networks over one output group (its axes), e.g. the
     per-token second moments M_2 as an (n, L, d, d) array.  ``array(state)`` materialises it
