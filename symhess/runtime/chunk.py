@@ -17,7 +17,8 @@ operand that carries them, a compact to the compact of its networks narrowed the
 (nested compacts too), so that each compact is formed only for the slice, once per slice for
 all the networks of the reduction (``cache``), and released before the next.  Chunks are as
 large as ``compact_limit`` allows.  Networks without such a compact, and those whose
-compacts plan fewer flops inlined than formed (``_inlining_pays``), are evaluated as they are.
+compacts plan fewer flops inlined than formed (``network.inlining_pays``), are evaluated as
+they are.
 
 Several sums evaluated together (``dense_each``: the diagonals of all parameters of a block)
 share the slices: each compact's slice is formed once for every network of every sum that
@@ -61,7 +62,7 @@ def chunked(state, sums, groups):
     plans, plain = [], []
     for key, n in ((k, n) for k, nets in sums.items() for n in nets):
         cut = _cut_labels(state, n, groups, limit)
-        if cut is not None and _inlining_pays(state, n, groups, cut[0]):
+        if cut is not None and N.inlining_pays(state, n, groups, cut[0]):
             cut = None
         (plain if cut is None else plans).append((key, n, cut))
     for key, n, _ in plain:
@@ -78,7 +79,7 @@ def chunked(state, sums, groups):
         for t in range(0, s1, step1):
             rt = (t, min(step1, s1 - t))
             cache = {}
-            for i, (key, n, (cs, (batch, tokens))) in enumerate(plans):
+            for i, (key, n, (_, (batch, tokens))) in enumerate(plans):
                 if step1 == s1 or not tokens:
                     cuts = [{batch: rb}]
                 else:                                   # the first token label in this slice,
@@ -106,18 +107,6 @@ def _needed(nets, cache):
             if id(c) not in formed:
                 todo.extend(op for m in c.nets for op in m.ops if isinstance(op, N.Compact))
     return seen
-
-
-def _inlining_pays(state, n, groups, big):
-    """Whether the network with every compact inlined (what ``network.resolve`` does with a
-    compact too large to keep) plans fewer flops than forming the oversized ones, in slices,
-    and contracting with them: attention's per-token moments (B L d² entries) are cheaper
-    inlined, where the planner contracts per token over d_K, than formed."""
-    flat = N._inlined(n, N.JOINT_MAX)
-    if flat is None:
-        return False
-    formed = N._flops(state, n, groups) + sum(c.cost(state) for c in big)
-    return N._cheaper(state, flat, groups, formed)
 
 
 def _cut_labels(state, n, groups, limit):

@@ -253,6 +253,18 @@ def resolve(state, n, groups, paired=False):
 JOINT_MAX = 64       # most networks of an all-inlined expansion that ``resolve`` weighs
 
 
+def inlining_pays(state, n, groups, compacts):
+    """Whether ``n`` with every compact inlined (at most ``JOINT_MAX`` networks) plans fewer
+    flops than forming ``compacts`` and contracting ``n`` with them as arrays: attention's
+    per-token moments (B L d² entries) are cheaper inlined, where the planner contracts per
+    token over d_K, than formed (``runtime.chunk``)."""
+    flat = _inlined(n, JOINT_MAX)
+    if flat is None:
+        return False
+    formed = _flops(state, n, groups) + sum(c.cost(state) for c in compacts)
+    return _cheaper(state, flat, groups, formed)
+
+
 def _cheaper(state, nets, groups, bound):
     """Whether the networks plan fewer than ``bound`` flops in all; planning stops as soon as
     the running sum reaches the bound (each plan costs a search over its operands)."""
