@@ -101,8 +101,7 @@ def _all_finite(x):
     if isinstance(x, (float, int)):
         return math.isfinite(x)
     if _is_tensor(x):
-        import torch
-        return bool(x.detach().sum().isfinite()) or bool(torch.isfinite(x).all())
+        return all_finite([x])
     with np.errstate(over="ignore", invalid="ignore"):
         return bool(np.isfinite(np.sum(x))) or bool(np.isfinite(x).all())
 
