@@ -144,6 +144,44 @@ def test_reductions_of_a_delta_block():
                       np.sum(np.kron(P, np.eye(k)) * np.kron(np.outer(u, v), np.outer(w, z))))
 
 
+@given(networks(), st.sampled_from(["numpy", "torch"]))
+@example(([3, 4, 2, 5], [(0, 1), (0, 2), (3,)], (0, 1, 2), 1), "torch")      # parts joined by no sum
+@example(([3, 4, 2], [(0, 1), (0, 2), (0, 1)], (1, 0, 2), 2), "numpy")
+def test_accumulated_networks_match_einsum(net, backend):
+    """acc += c · Σ Π operands: a network whose operands fall into parts that share no summed
+    label (a per-token outer product, a scaled one) is written in one pass; the same sum."""
+    sizes, ops, out, seed = net
+    arrays = _arrays(sizes, ops, seed)
+    base = np.asarray(np.random.default_rng(seed + 1).standard_normal([sizes[x] for x in out]))
+    want = base + 2.5 * _einsum(arrays, ops, out)
+    s = _State()
+    if backend == "torch":
+        s.ops, s.like = TORCH, torch.zeros(1, dtype=torch.float64)
+        arrays, acc = [torch.from_numpy(a) for a in arrays], torch.from_numpy(base.copy())
+    else:
+        acc = base.copy()
+    used = {x: sizes[x] for o in ops for x in o}
+    got = N.accumulate(s, N.Net(2.5, arrays, ops, (out,), used), (0,), acc)
+    assert np.allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("ops", [NP, TORCH])
+def test_outer_products_on_a_diagonal_of_the_result(ops):
+    """Rows (i, a) and columns (i, b) of a block that is zero off i = i′: the rank-one
+    terms u_ia v_ib w_i go onto that diagonal only."""
+    rng = np.random.default_rng(5)
+    u, v, w = rng.standard_normal((3, 4)), rng.standard_normal((3, 2)), rng.standard_normal((3, 6))
+    s = _State()
+    if ops is TORCH:
+        s.ops, s.like = TORCH, torch.zeros(1, dtype=torch.float64)
+        u, v, w = (torch.from_numpy(x) for x in (u, v, w))
+    got = np.asarray(N.dense(s, [N.net(-1.5, "ia,ib,ic->ia|ib", u, v, w)]))
+    want = np.zeros((3, 4, 3, 2))
+    for i in range(3):
+        want[i, :, i, :] = -1.5 * np.outer(np.asarray(u)[i], np.asarray(v)[i]) * np.asarray(w)[i].sum()
+    assert np.allclose(got, want.reshape(12, 6))
+
+
 def test_identification_refines_atoms():
     """Rows (m, k) against columns (m·k): the diagonal needs the column atom split."""
     rng = np.random.default_rng(3)

@@ -364,7 +364,7 @@ def pairwise(ops, a, la, b, lb, keep, then=(), a_owned=False, b_owned=False):
     big_fits = fa if na >= nb_ else fb
     if not (right if na >= nb_ else left) and not (inner and big_fits):
         order = list(ref) + [x for x in other if x not in ref]
-        x, y = _aligned(ops, a, la, order), _aligned(ops, b, lb, order)
+        x, y = aligned(ops, a, la, order), aligned(ops, b, lb, order)
         if (a_owned if na >= nb_ else b_owned):         # a temporary of this network
             r = ops.scale_(x, y) if na >= nb_ else ops.scale_(y, x)
         else:
@@ -406,7 +406,7 @@ def _fit(labels, batch, rows, inner):
     return "KM" if labels == batch + inner + rows else ""
 
 
-def _aligned(ops, a, la, order):
+def aligned(ops, a, la, order):
     """``a`` with its labels in ``order``'s order and size-one axes for the labels it lacks."""
     sizes = dict(zip(la, ops.shape(a)))
     return ops.reshape(_perm(ops, a, la, [x for x in order if x in sizes]), [sizes.get(x, 1) for x in order])

@@ -32,6 +32,7 @@ import math
 from functools import lru_cache
 
 from . import contract as C
+from . import cost
 
 
 class _Marker:
@@ -385,17 +386,57 @@ def accumulate(state, n, groups, acc=None, shape=None):
         out = tuple(x for g in groups for x in m.groups[g])
         uniq = tuple(dict.fromkeys(out))
         present = set(x for ls in m.labels for x in ls)
+        if acc is None:
+            acc = ops.zeros(shape if shape is not None else [m.sizes[x] for x in out], like=state.like)
+        view = ops.diagonal_view(acc, out) if len(uniq) < len(out) else acc
+        factors = _factors(state, m, uniq)
+        if factors is not None:
+            _add_entrywise(ops, view, factors, m.sizes, uniq, m.coef * free_factor(m, out))
+            continue
         if m.ops:
             r = C.contract(ops, m.ops, m.labels, uniq, state.schedule.limit, m.sizes)
             kept = [x for x in uniq if x in present]
         else:
             r, kept = ops.scalar(1.0, like=state.like), []
         r = ops.expand_dims(r, [uniq.index(x) for x in kept], len(uniq))
-        if acc is None:
-            acc = ops.zeros(shape if shape is not None else [m.sizes[x] for x in out], like=state.like)
-        view = ops.diagonal_view(acc, out) if len(uniq) < len(out) else acc
         ops.add_scaled(view, r, m.coef * free_factor(m, out))
     return acc
+
+
+def _factors(state, m, out):
+    """``m`` as an entrywise product over ``out``: [(array, labels)] of its parts that share
+    no summed label (``components``), each contracted to its output labels; None when it
+    has one such part.  A per-token outer product (a LayerNorm Jacobian's rank-one term,
+    possibly scaled by a per-token dot product) is then one pass over the result instead of
+    a product written out and added in a second pass."""
+    if len(m.ops) < 2:
+        return None
+    wanted = set(out)
+    parts = components(m.labels, lambda x: x not in wanted)
+    if len(parts) < 2:
+        return None
+    factors = []
+    for pos in parts:
+        labels = [m.labels[i] for i in pos]
+        keep = tuple(x for x in out if any(x in ls for ls in labels))
+        if len(pos) == 1 and labels[0] == keep:
+            factors.append((m.ops[pos[0]], keep))
+        else:
+            factors.append((C.contract(state.ops, [m.ops[i] for i in pos], labels, keep,
+                                       state.schedule.limit, m.sizes), keep))
+    return factors
+
+
+def _add_entrywise(ops, view, factors, sizes, out, c):
+    """view += c · Π factors ([(array, labels)]) broadcast over ``out``: the smaller factors
+    multiplied together, then one pass over the view with the largest."""
+    factors = sorted(factors, key=lambda t: math.prod(sizes[x] for x in t[1]))
+    aligned = [C.aligned(ops, a, ls, out) for a, ls in factors]
+    t = aligned[0]
+    for x in aligned[1:-1]:
+        t = ops.product(t, x)
+    cost.add(math.prod(ops.shape(view)) * (len(aligned) - 1))
+    ops.add_product(view, t, aligned[-1], c)
 
 
 def layout(nets, groups):

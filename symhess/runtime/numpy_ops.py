@@ -290,6 +290,14 @@ class _Ops:
         else:
             view += c * r
 
+    @staticmethod
+    def add_product(view, x, y, c):
+        """view += c · x ∘ y (broadcast)."""
+        r = np.multiply(x, y)
+        if c != 1:
+            r *= c
+        view += r
+
     matmul2 = staticmethod(np.matmul)
 
     @staticmethod

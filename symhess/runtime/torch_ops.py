@@ -350,6 +350,11 @@ class _Ops:
         view.add_(r, alpha=c)
 
     @staticmethod
+    def add_product(view, x, y, c):
+        """view += c · x ∘ y (broadcast) in one pass."""
+        view.addcmul_(x, y, value=c)
+
+    @staticmethod
     def added(acc, r, c):
         """acc + c r, written into acc (``_iadd``)."""
         return _iadd(acc, r, c)
