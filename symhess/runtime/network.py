@@ -17,7 +17,8 @@ output label (then the result is constant along it).
 Reductions of Σ_t N_t, every one a contraction of networks (never the dense block unless
 asked for):
 
-* dense:  out[r, c] = Σ_t N_t[r, c];
+* dense:  out[r, c] = Σ_t N_t[r, c] (a network whose operands fall into parts that share no
+  summed label is added as an entrywise product of its parts, one pass over ``out``);
 * diag:   the column atoms identified with the row atoms, out[r] = Σ_t N_t[r, r];
 * trace:  the same, summed;
 * inner:  ⟨N_s, N_t⟩ = Σ_{r,c} N_s[r, c] N_t[r, c], one network of both (the second's

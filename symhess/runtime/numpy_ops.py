@@ -293,10 +293,7 @@ class _Ops:
     @staticmethod
     def add_product(view, x, y, c):
         """view += c · x ∘ y (broadcast)."""
-        r = np.multiply(x, y)
-        if c != 1:
-            r *= c
-        view += r
+        _add_fresh(view, np.multiply(x, y), c)
 
     matmul2 = staticmethod(np.matmul)
 
@@ -309,11 +306,7 @@ class _Ops:
     @staticmethod
     def addmm_(acc, a, b, c):
         """acc += c · a b in place (NumPy's GEMM does not accumulate: formed, then added)."""
-        p = np.matmul(a, b)
-        if c != 1:
-            p *= c
-        acc += p
-        return acc
+        return _add_fresh(acc, np.matmul(a, b), c)
 
     @staticmethod
     def matmul_mean(a, b):
@@ -368,6 +361,14 @@ def _strided(a, labels, uniq, writeable):
         strides[k] += st
         shape[k] = s
     return np.lib.stride_tricks.as_strided(a, tuple(shape), tuple(strides), writeable=writeable)
+
+
+def _add_fresh(acc, r, c):
+    """acc += c r for a fresh array r (scaled in place), returning acc."""
+    if c != 1:
+        r *= c
+    acc += r
+    return acc
 
 
 OPS = _Ops()
