@@ -106,6 +106,36 @@ def test_shared_runs_are_formed_once_and_found_in_either_orientation():
         st.mm("P Q R", st.P, st.Q)
 
 
+@given(st.sampled_from(["numpy", "torch"]), st.sampled_from(["r", "l"]), st.booleans(),
+       st.lists(st.tuples(st.sampled_from([1.0, -1.0, 0.5, 3.0]), st.integers(1, 3),
+                          st.booleans()), min_size=1, max_size=4),
+       st.integers(1, 40), st.integers(0, 2 ** 16))
+def test_sums_of_products_sharing_an_end_factor(backend, side, mean, spec, width, seed):
+    """Σ_t c_t F_t,1 ⋯ F_t,k F (F F_t,1 ⋯ F_t,k on the left), batched or not, its batch mean
+    or not: the sum of the products as written, whether F is factored out or not."""
+    rng = np.random.default_rng(seed)
+    ops, arr = (NP, np.asarray) if backend == "numpy" else (TORCH, torch.tensor)
+    n, dims = 2, [3, 4, 5, 2]
+    shared = rng.standard_normal((width, 3) if side == "r" else (3, width))
+    terms, want = [], 0
+    for c, k, batched in spec:
+        sizes = dims[:k] + [width] if side == "r" else [width] + dims[1:k] + dims[:1]
+        fs = [rng.standard_normal(((n,) if batched and i == 0 else ()) + (sizes[i], sizes[i + 1]))
+              for i in range(k)]
+        fs = fs + [shared] if side == "r" else [shared] + fs
+        prod = fs[0]
+        for f in fs[1:]:
+            prod = prod @ f
+        want = want + c * prod
+        terms.append((c, " ".join("_" for _ in fs), *[arr(f) for f in fs]))
+    if mean and np.ndim(want) == 3:
+        want = want.mean(0)
+    state = Forward({"F": shared}, {}, n, ops, Schedule(), arr(shared))
+    got = np.asarray(state.mm_sum(side, *terms, mean=mean))
+    assert got.shape == want.shape
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_matrix_chain_order_and_values():
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal(s) for s in [(50, 4), (4, 60), (60, 3), (3, 70)]]

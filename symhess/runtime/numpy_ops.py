@@ -296,6 +296,7 @@ class _Ops:
         _add_fresh(view, np.multiply(x, y), c)
 
     matmul2 = staticmethod(np.matmul)
+    lin = staticmethod(lin)               # Σ c x, products accumulated by their GEMMs
 
     @staticmethod
     def added(acc, r, c):

@@ -391,8 +391,9 @@ class Forward:
         share their last (``side`` "r") or first ("l") factor F: computed as written or as
         (Σ_t c_t F_t,1 ⋯ F_t,k−1) F (F (Σ …) on the left), whichever multiplies less at these
         sizes.  Factoring t W_Vᵀ Xᵀ + t′ V_Vᵀ Xᵀ saves a product of size L² d; factoring
-        X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more.  ``mean``: the batch mean (as
-        in ``mm``)."""
+        X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more.  The terms are summed by the
+        backend's ``lin``: one fresh array, each later product accumulated by its GEMM.
+        ``mean``: the batch mean (as in ``mm``)."""
         shape = lambda x: tuple(self.ops.shape(x))         # noqa: E731
         cost = lambda key, xs: chain.chain_cost(tuple(shape(x) for x in xs), *self._prices(key))  # noqa: E731
         as_written = sum(cost(t[1], t[2:]) for t in terms)
@@ -407,18 +408,14 @@ class Forward:
         last = batch * (rows[-2] * cols[-1] * s_shape[-1] if side == "r" else
                         s_shape[-2] * s_shape[-1] * cols[-1])
         if inner + last < as_written:
-            acc = None
-            for c, k, fs in parts:
-                x = c * (self.mm(k, *fs) if len(fs) > 1 else fs[0])
-                acc = x if acc is None else acc + x
+            acc = self.ops.lin(*[(c, self.prod(k, *fs) if len(fs) > 1 else fs[0])
+                                 for c, k, fs in parts])
             fold = (self.ops.matmul_mean, self.ops.batch_mean) if mean else None
             return chain.multiply((acc, shared) if side == "r" else (shared, acc),
                                   self.ops.matmul2, self.ops.shape, fold=fold)
-        acc = None
-        for t in terms:
-            x = t[0] * self.mm(t[1], *t[2:], mean=mean)
-            acc = x if acc is None else acc + x
-        return acc
+        if mean:
+            return self.ops.lin(*[(t[0], self.mm(t[1], *t[2:], mean=True)) for t in terms])
+        return self.ops.lin(*[(t[0], self.prod(t[1], *t[2:])) for t in terms])
 
     def hvp(self, v, part="full"):
         """H_part v for a flat vector v (parameters in declared order), no block built; for a

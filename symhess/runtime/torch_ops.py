@@ -360,6 +360,7 @@ class _Ops:
         return _iadd(acc, r, c)
 
     matmul2 = staticmethod(torch.matmul)
+    lin = staticmethod(lin)               # Σ c x, products accumulated by their GEMMs
 
     @staticmethod
     def addmm_(acc, a, b, c):
