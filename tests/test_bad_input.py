@@ -229,6 +229,10 @@ def test_check_values_names_the_first_bad_index_in_any_rank():
         check_values({"W": np.ones(3), "X": t})
     big = np.full((2, 2), 1e308)     # the sum overflows, the entries are finite
     assert check_values({"X": big})["X"] is big
+    big_t = torch.as_tensor(big)
+    assert check_values({"X": big_t})["X"] is big_t
+    with pytest.raises(InputError, match=r"-inf at index \(0, 1\), 1 of 4"):
+        check_values({"X": torch.tensor([[1e308, -np.inf], [1e308, 1.0]], dtype=torch.float64)})
 
 
 def test_check_values_returns_arrays_as_given():

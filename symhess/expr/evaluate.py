@@ -72,6 +72,8 @@ def _first_non_finite(a):
     """(index tuple, value, count) of the first NaN/inf entry in row-major order, or None."""
     if _is_tensor(a):
         import torch
+        if bool(torch.isfinite(a.detach().sum())):    # a finite sum has no NaN/inf term
+            return None
         bad = ~torch.isfinite(a.detach())
         if not bool(bad.any()):
             return None
