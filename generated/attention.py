@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "92e1973bc6dd2f4fa0013a8d"
+    STAMP = "ff5117ba59737c64821f9b38"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -310,7 +310,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "396546c19cd7809caca1e2f2"
+    STAMP = "f15f4b6728c75f0993d93600"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -596,31 +596,31 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "c04703504bf4c755a8970e2b"
+    STAMP = "bb79f15022fbf149f019bd3c"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
         "@V_W_V' X'": 2,
-        '@t_18 X': 2,
-        "@t_18' X": 2,
-        '@t_23 X': 2,
-        "@t_23' X": 2,
-        '@t_29 X': 2,
-        '@t_34 X': 2,
-        "@t_34' X": 2,
+        '@t_17 X': 2,
+        "@t_17' X": 2,
+        '@t_22 X': 2,
+        "@t_22' X": 2,
+        '@t_28 X': 2,
+        '@t_33 X': 2,
+        "@t_33' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' @t_18 X": 2,
-        "X' @t_23 X": 2,
-        "X' @t_34 X": 2,
-        "X' t_13": 4,
-        "X' t_13 X": 4,
-        "X' t_13'": 4,
-        "X' t_35": 2,
-        "X' t_35 X": 2,
-        "X' t_35'": 2,
+        "X' @t_17 X": 2,
+        "X' @t_22 X": 2,
+        "X' @t_33 X": 2,
+        "X' t_12": 4,
+        "X' t_12 X": 4,
+        "X' t_12'": 4,
+        "X' t_34": 2,
+        "X' t_34 X": 2,
+        "X' t_34'": 2,
     }
 
     @leaf
@@ -693,39 +693,35 @@ class ce_causal0(Forward):
 
     @leaf
     def t_10(s):
-        return (s.t * s.t_9)
-
-    @leaf
-    def t_11(s):
-        return (s.t_10 - s.Y)
+        return lin((1, s.t, s.t_9), (-1, s.Y))
 
     @leaf
     def G_2(s):
-        return (1/s.L) * s.t_11
+        return (1/s.L) * s.t_10
 
     @leaf
-    def t_12(s):
+    def t_11(s):
         return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_13(s):
-        return softmax_diff(s.A, s.t_12)
+    def t_12(s):
+        return softmax_diff(s.A, s.t_11)
 
     @leaf
-    def t_14(s):
+    def t_13(s):
         return softmax_rows(s.F_2)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_11
+        return (1/s.L) * s.t_10
 
     @leaf
-    def t_27(s):
+    def t_26(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_35(s):
-        return softmax_diff(s.A, s.t_27)
+    def t_34(s):
+        return softmax_diff(s.A, s.t_26)
 
     @leaf
     def dA(s):
@@ -857,49 +853,49 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_13 X W_K", tr(s.X), s.t_13, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_13' X W_Q", tr(s.X), tr(s.t_13), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_12 X W_K", tr(s.X), s.t_12, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_12' X W_Q", tr(s.X), tr(s.t_12), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_15), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_17 = (s.t * softmax_diff(s.t_14, t_16))
-        t_18 = softmax_diff(s.A, s.mm("@t_17 W_V' X'", t_17, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_18 X W_K", tr(s.X), t_18, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_18' X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' @t_17", tr(s.X), tr(s.A), t_17, mean=True)
+        t_14 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_15 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_14), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_16 = (s.t * softmax_diff(s.t_13, t_15))
+        t_17 = softmax_diff(s.A, s.mm("@t_16 W_V' X'", t_16, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_17 X W_K", tr(s.X), t_17, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_17' X W_Q", tr(s.X), tr(t_17), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_16", tr(s.X), tr(s.A), t_16, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = (1/math.sqrt(s.d_K)) * t_19
-        t_21 = softmax_diff2(s.A, t_20, s.t_12)
-        t_22 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_23 = (t_21 + t_22)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_23 X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X @V_W_K", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_23' X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X @V_W_Q", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
-        t_24 = softmax_diff(s.A, t_20)
-        out_W_V = s.mm("X' @t_24' G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
+        t_18 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_19 = (1/math.sqrt(s.d_K)) * t_18
+        t_20 = softmax_diff2(s.A, t_19, s.t_11)
+        t_21 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_22 = (t_20 + t_21)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22 X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_12 X @V_W_K", tr(s.X), s.t_12, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22' X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_12' X @V_W_Q", tr(s.X), tr(s.t_12), s.X, V_W_Q), mean=True)
+        t_23 = softmax_diff(s.A, t_19)
+        out_W_V = s.mm("X' @t_23' G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = (1/math.sqrt(s.d_K)) * t_25
-        t_28 = softmax_diff2(s.A, t_26, s.t_27)
-        t_29 = softmax_diff(s.A, t_26)
-        t_30 = lin((1, s.prod('@t_29 X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_31 = (s.t * softmax_diff(s.t_9, t_30))
-        t_32 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_31 W_V' X'", t_31, tr(s.W_V), tr(s.X)))
-        t_33 = softmax_diff(s.A, t_32)
-        t_34 = (t_28 + t_33)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_34 X W_K", tr(s.X), t_34, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_35 X @V_W_K", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_34' X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_35' X @V_W_Q", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_29' G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' @t_31", tr(s.X), tr(s.A), t_31), mean=True)
+        t_24 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = (1/math.sqrt(s.d_K)) * t_24
+        t_27 = softmax_diff2(s.A, t_25, s.t_26)
+        t_28 = softmax_diff(s.A, t_25)
+        t_29 = lin((1, s.prod('@t_28 X W_V', t_28, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_30 = (s.t * softmax_diff(s.t_9, t_29))
+        t_31 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_30 W_V' X'", t_30, tr(s.W_V), tr(s.X)))
+        t_32 = softmax_diff(s.A, t_31)
+        t_33 = (t_27 + t_32)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_33 X W_K", tr(s.X), t_33, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_34 X @V_W_K", tr(s.X), s.t_34, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_33' X W_Q", tr(s.X), tr(t_33), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_34' X @V_W_Q", tr(s.X), tr(s.t_34), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_28' G_3", tr(s.X), tr(t_28), s.G_3), ((1/s.L), "X' A' @t_30", tr(s.X), tr(s.A), t_30), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -907,31 +903,31 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "6b6650aecca09cffb20345df"
+    STAMP = "2e66cf45166a79cb9100d1e9"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
         "@V_W_V' X'": 2,
-        '@t_18 X': 2,
-        "@t_18' X": 2,
-        '@t_23 X': 2,
-        "@t_23' X": 2,
-        '@t_29 X': 2,
-        '@t_34 X': 2,
-        "@t_34' X": 2,
+        '@t_17 X': 2,
+        "@t_17' X": 2,
+        '@t_22 X': 2,
+        "@t_22' X": 2,
+        '@t_28 X': 2,
+        '@t_33 X': 2,
+        "@t_33' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' @t_18 X": 2,
-        "X' @t_23 X": 2,
-        "X' @t_34 X": 2,
-        "X' t_13": 4,
-        "X' t_13 X": 4,
-        "X' t_13'": 4,
-        "X' t_35": 2,
-        "X' t_35 X": 2,
-        "X' t_35'": 2,
+        "X' @t_17 X": 2,
+        "X' @t_22 X": 2,
+        "X' @t_33 X": 2,
+        "X' t_12": 4,
+        "X' t_12 X": 4,
+        "X' t_12'": 4,
+        "X' t_34": 2,
+        "X' t_34 X": 2,
+        "X' t_34'": 2,
     }
 
     @leaf
@@ -1004,39 +1000,35 @@ class ce_causal1(Forward):
 
     @leaf
     def t_10(s):
-        return (s.t * s.t_9)
-
-    @leaf
-    def t_11(s):
-        return (s.t_10 - s.Y)
+        return lin((1, s.t, s.t_9), (-1, s.Y))
 
     @leaf
     def G_2(s):
-        return (1/s.L) * s.t_11
+        return (1/s.L) * s.t_10
 
     @leaf
-    def t_12(s):
+    def t_11(s):
         return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_13(s):
-        return softmax_diff(s.A, s.t_12)
+    def t_12(s):
+        return softmax_diff(s.A, s.t_11)
 
     @leaf
-    def t_14(s):
+    def t_13(s):
         return softmax_rows(s.F_2)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_11
+        return (1/s.L) * s.t_10
 
     @leaf
-    def t_27(s):
+    def t_26(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_35(s):
-        return softmax_diff(s.A, s.t_27)
+    def t_34(s):
+        return softmax_diff(s.A, s.t_26)
 
     @leaf
     def dA(s):
@@ -1168,49 +1160,49 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_13 X W_K", tr(s.X), s.t_13, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_13' X W_Q", tr(s.X), tr(s.t_13), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_12 X W_K", tr(s.X), s.t_12, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_12' X W_Q", tr(s.X), tr(s.t_12), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_15), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_17 = (s.t * softmax_diff(s.t_14, t_16))
-        t_18 = softmax_diff(s.A, s.mm("@t_17 W_V' X'", t_17, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_18 X W_K", tr(s.X), t_18, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_18' X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' @t_17", tr(s.X), tr(s.A), t_17, mean=True)
+        t_14 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_15 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_14), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_16 = (s.t * softmax_diff(s.t_13, t_15))
+        t_17 = softmax_diff(s.A, s.mm("@t_16 W_V' X'", t_16, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_17 X W_K", tr(s.X), t_17, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_17' X W_Q", tr(s.X), tr(t_17), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_16", tr(s.X), tr(s.A), t_16, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = (1/math.sqrt(s.d_K)) * t_19
-        t_21 = softmax_diff2(s.A, t_20, s.t_12)
-        t_22 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_23 = (t_21 + t_22)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_23 X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X @V_W_K", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_23' X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X @V_W_Q", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
-        t_24 = softmax_diff(s.A, t_20)
-        out_W_V = s.mm("X' @t_24' G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
+        t_18 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_19 = (1/math.sqrt(s.d_K)) * t_18
+        t_20 = softmax_diff2(s.A, t_19, s.t_11)
+        t_21 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_22 = (t_20 + t_21)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22 X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_12 X @V_W_K", tr(s.X), s.t_12, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22' X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_12' X @V_W_Q", tr(s.X), tr(s.t_12), s.X, V_W_Q), mean=True)
+        t_23 = softmax_diff(s.A, t_19)
+        out_W_V = s.mm("X' @t_23' G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = (1/math.sqrt(s.d_K)) * t_25
-        t_28 = softmax_diff2(s.A, t_26, s.t_27)
-        t_29 = softmax_diff(s.A, t_26)
-        t_30 = lin((1, s.prod('@t_29 X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_31 = (s.t * softmax_diff(s.t_9, t_30))
-        t_32 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_31 W_V' X'", t_31, tr(s.W_V), tr(s.X)))
-        t_33 = softmax_diff(s.A, t_32)
-        t_34 = (t_28 + t_33)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_34 X W_K", tr(s.X), t_34, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_35 X @V_W_K", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_34' X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_35' X @V_W_Q", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_29' G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' @t_31", tr(s.X), tr(s.A), t_31), mean=True)
+        t_24 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = (1/math.sqrt(s.d_K)) * t_24
+        t_27 = softmax_diff2(s.A, t_25, s.t_26)
+        t_28 = softmax_diff(s.A, t_25)
+        t_29 = lin((1, s.prod('@t_28 X W_V', t_28, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_30 = (s.t * softmax_diff(s.t_9, t_29))
+        t_31 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_30 W_V' X'", t_30, tr(s.W_V), tr(s.X)))
+        t_32 = softmax_diff(s.A, t_31)
+        t_33 = (t_27 + t_32)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_33 X W_K", tr(s.X), t_33, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_34 X @V_W_K", tr(s.X), s.t_34, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_33' X W_Q", tr(s.X), tr(t_33), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_34' X @V_W_Q", tr(s.X), tr(s.t_34), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_28' G_3", tr(s.X), tr(t_28), s.G_3), ((1/s.L), "X' A' @t_30", tr(s.X), tr(s.A), t_30), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1220,4 +1212,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "1768ff05e499493e5b60aa33"
+CHECKSUM = "f935ca77e6eb9bbaba844a3f"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "497d8cda3d82fc5c6f8102ad"
+    STAMP = "7b63d2c920dbb417c804d50e"
 
     @leaf
     def H(s):
@@ -157,7 +157,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "5d1914de7d9e627658ece10d"
+    STAMP = "438ffb75fae3b2a57ec23249"
 
     @leaf
     def H(s):
@@ -310,4 +310,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "06c79bcc081ca0b9c1ad65a3"
+CHECKSUM = "5ce34b4c623ce51449ca7b59"

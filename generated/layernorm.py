@@ -24,7 +24,7 @@ class mse(Forward):
     """loss=mse, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "9a8337074fcd9c798f468d55"
+    STAMP = "6f1f2dd8436cfe7e10fa7f32"
 
     @leaf
     def one(s):
@@ -124,7 +124,7 @@ class mse(Forward):
 
     @leaf
     def t_26(s):
-        return mul(s.t_3, (4/(s.L*s.d_V**2)) * s.t_5, s.M_Z)
+        return mul((4/(s.L*s.d_V**2)) * s.t_3, s.t_5, s.M_Z)
 
     @leaf
     def t_27(s):
@@ -136,11 +136,11 @@ class mse(Forward):
 
     @leaf
     def t_32(s):
-        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_5)
+        return ((4/(s.L*s.d_V**2)) * s.t_3 * s.t_5)
 
     @leaf
     def t_33(s):
-        return mul(s.t_7, (4/(s.L*s.d_V**2)) * s.t_5, s.M_Z)
+        return mul((4/(s.L*s.d_V**2)) * s.t_7, s.t_5, s.M_Z)
 
     @leaf
     def S(s):
@@ -267,7 +267,7 @@ class ce(Forward):
     """loss=ce, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "e4bab9d7ec55e562f15f4515"
+    STAMP = "236306010e9d966b4b4ae81d"
 
     @leaf
     def one(s):
@@ -331,7 +331,7 @@ class ce(Forward):
 
     @leaf
     def t_11(s):
-        return ((s.t * s.t_10) - s.Y)
+        return lin((1, s.t, s.t_10), (-1, s.Y))
 
     @leaf
     def G(s):
@@ -391,7 +391,7 @@ class ce(Forward):
 
     @leaf
     def t_34(s):
-        return mul(s.t_5, (2/(s.L*s.d_V)) * s.t_11, s.M_Z)
+        return mul((2/(s.L*s.d_V)) * s.t_5, s.t_11, s.M_Z)
 
     @leaf
     def t_35(s):
@@ -403,11 +403,11 @@ class ce(Forward):
 
     @leaf
     def t_39(s):
-        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_11)
+        return ((2/(s.L*s.d_V)) * s.t_5 * s.t_11)
 
     @leaf
     def t_40(s):
-        return mul(s.t_13, (2/(s.L*s.d_V)) * s.t_11, s.M_Z)
+        return mul((2/(s.L*s.d_V)) * s.t_13, s.t_11, s.M_Z)
 
     @leaf
     def S(s):
@@ -544,4 +544,4 @@ VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): mse,
     ('ce', (('affine', 'none'), ('eps', 0))): ce,
 }
-CHECKSUM = "3b439a5d3370b27b1c17e28b"
+CHECKSUM = "8c6172cb6c7f3c581b468e57"

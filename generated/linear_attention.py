@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "bf87c6dc28a046ca07a28907"
+    STAMP = "9b9f606445aacb24a8afd712"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -305,7 +305,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "50ec145bd5e136b737f01067"
+    STAMP = "c1462a8cf349d35a45c67577"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -550,7 +550,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "9e7c9699e0c3604887194ef7"
+    STAMP = "04076439f832eb51484c9586"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -841,7 +841,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b10b48356b610931bc9f10aa"
+    STAMP = "78c33386e6eb939e140bfeab"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -1119,4 +1119,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "66637c1ee6ffc049a4476625"
+CHECKSUM = "20f7b7651b17d62824d606d9"

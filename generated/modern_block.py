@@ -24,15 +24,15 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "22d1227985488266bc015f6d"
+    STAMP = "f228b593fd98c3429915ea63"
     RUNS = {
         "@V_W_K' N_1'": 2,
-        "@V_W_O1 t_161'": 2,
-        "@V_W_O1 t_42'": 2,
+        "@V_W_O1 t_156'": 2,
+        "@V_W_O1 t_39'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
-        "@V_W_O2 t_161'": 2,
-        "@V_W_O2 t_42'": 2,
+        "@V_W_O2 t_156'": 2,
+        "@V_W_O2 t_39'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
         "@V_W_Q1' N_1'": 2,
@@ -42,44 +42,44 @@ class mse_causal0(Forward):
         "@V_W_V' N_1'": 6,
         "@V_W_V' N_1' A1'": 2,
         "@V_W_V' N_1' A2'": 2,
-        "@t_100 W_O1'": 2,
-        "@t_100 W_O2'": 2,
-        "@t_100' A1": 2,
-        "@t_100' A1 N_1": 2,
-        "@t_100' A2": 2,
-        "@t_100' A2 N_1": 2,
-        '@t_114 N_1': 3,
-        '@t_114 N_1 W_V': 2,
-        "@t_114' t_42": 2,
-        '@t_118 N_1': 3,
-        '@t_118 N_1 W_V': 2,
-        "@t_118' t_42": 2,
-        "@t_131 W_O1'": 2,
-        "@t_131 W_O2'": 2,
-        "@t_131' A1": 2,
-        "@t_131' A1 N_1": 2,
-        "@t_131' A2": 2,
-        "@t_131' A2 N_1": 2,
-        '@t_164 N_1': 3,
-        '@t_164 N_1 W_V': 2,
-        "@t_164' t_161": 2,
-        '@t_168 N_1': 3,
-        '@t_168 N_1 W_V': 2,
-        "@t_168' t_161": 2,
-        "@t_189 W_O1'": 2,
-        "@t_189 W_O2'": 2,
-        "@t_189' A1": 2,
-        "@t_189' A1 N_1": 2,
-        "@t_189' A2": 2,
-        "@t_189' A2 N_1": 2,
+        '@t_111 N_1': 3,
+        '@t_111 N_1 W_V': 2,
+        "@t_111' t_39": 2,
+        '@t_115 N_1': 3,
+        '@t_115 N_1 W_V': 2,
+        "@t_115' t_39": 2,
+        "@t_128 W_O1'": 2,
+        "@t_128 W_O2'": 2,
+        "@t_128' A1": 2,
+        "@t_128' A1 N_1": 2,
+        "@t_128' A2": 2,
+        "@t_128' A2 N_1": 2,
+        '@t_159 N_1': 3,
+        '@t_159 N_1 W_V': 2,
+        "@t_159' t_156": 2,
+        '@t_163 N_1': 3,
+        '@t_163 N_1 W_V': 2,
+        "@t_163' t_156": 2,
+        "@t_182 W_O1'": 2,
+        "@t_182 W_O2'": 2,
+        "@t_182' A1": 2,
+        "@t_182' A1 N_1": 2,
+        "@t_182' A2": 2,
+        "@t_182' A2 N_1": 2,
+        "@t_97 W_O1'": 2,
+        "@t_97 W_O2'": 2,
+        "@t_97' A1": 2,
+        "@t_97' A1 N_1": 2,
+        "@t_97' A2": 2,
+        "@t_97' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_161": 2,
-        "A1' t_42": 5,
+        "A1' t_156": 2,
+        "A1' t_39": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_161": 2,
-        "A2' t_42": 5,
+        "A2' t_156": 2,
+        "A2' t_39": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
         'N_1 @V_W_V W_O2': 2,
@@ -89,21 +89,21 @@ class mse_causal0(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_114' t_42": 2,
-        "N_1' @t_118' t_42": 2,
-        "N_1' @t_164' t_161": 2,
-        "N_1' @t_168' t_161": 2,
-        "N_1' A1' t_161": 2,
-        "N_1' A1' t_42": 4,
-        "N_1' A2' t_161": 2,
-        "N_1' A2' t_42": 4,
-        "W_O1 t_161'": 3,
-        "W_O1 t_25'": 2,
-        "W_O1 t_42'": 5,
+        "N_1' @t_111' t_39": 2,
+        "N_1' @t_115' t_39": 2,
+        "N_1' @t_159' t_156": 2,
+        "N_1' @t_163' t_156": 2,
+        "N_1' A1' t_156": 2,
+        "N_1' A1' t_39": 4,
+        "N_1' A2' t_156": 2,
+        "N_1' A2' t_39": 4,
+        "W_O1 t_156'": 3,
+        "W_O1 t_23'": 2,
+        "W_O1 t_39'": 5,
         "W_O1' W_V'": 13,
-        "W_O2 t_161'": 3,
-        "W_O2 t_25'": 2,
-        "W_O2 t_42'": 5,
+        "W_O2 t_156'": 3,
+        "W_O2 t_23'": 2,
+        "W_O2 t_39'": 5,
         "W_O2' W_V'": 13,
     }
 
@@ -129,7 +129,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_2(s):
-        return ((s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)) * tr(s.C)))
+        return lin((1, s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)), tr(s.C)))
 
     @leaf
     def t_3(s):
@@ -149,11 +149,11 @@ class mse_causal0(Forward):
 
     @leaf
     def t_7(s):
-        return ((s.mm('N_1 W_Q1', s.N_1, s.W_Q1) * s.C) + (s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R) * s.S))
+        return lin((1, s.mm('N_1 W_Q1', s.N_1, s.W_Q1), s.C), (1, s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R), s.S))
 
     @leaf
     def t_8(s):
-        return ((s.mm('N_1 W_Q2', s.N_1, s.W_Q2) * s.C) + (s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R) * s.S))
+        return lin((1, s.mm('N_1 W_Q2', s.N_1, s.W_Q2), s.C), (1, s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R), s.S))
 
     @leaf
     def T1(s):
@@ -229,7 +229,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_17(s):
-        return (mul(s.t_13, s.t_16, s.t_11, s.t_14) + mul(s.t_12, s.t_16, s.t_14))
+        return lin((1, mul(s.t_13, s.t_16, s.t_11), s.t_14), (1, (s.t_12 * s.t_16), s.t_14))
 
     @leaf
     def t_18(s):
@@ -241,391 +241,363 @@ class mse_causal0(Forward):
 
     @leaf
     def t_20(s):
-        return (1/math.sqrt(s.d_K)) * s.t_19
-
-    @leaf
-    def t_21(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19
-
-    @leaf
-    def t_22(s):
         return (-0.5 * (s.t_10 ** -1.5))
 
     @leaf
+    def t_21(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19, s.t_20, s.Y_2)
+
+    @leaf
+    def t_22(s):
+        return s.mm('t_21 one', s.t_21, s.one)
+
+    @leaf
     def t_23(s):
-        return mul(s.t_21, s.t_22, s.Y_2)
+        return lin((1/math.sqrt(s.d_K), s.t_19, s.R_N_2), (1, s.t_22, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
     def t_24(s):
-        return s.mm('t_23 one', s.t_23, s.one)
+        return softmax_diff(s.A1, s.mm("t_23 W_O1' W_V' N_1'", s.t_23, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_25(s):
-        return lin((1, s.t_20, s.R_N_2), (1, s.t_24, s.Y_2), (1/math.sqrt(s.d_K), s.G))
-
-    @leaf
-    def t_26(s):
-        return softmax_diff(s.A1, s.mm("t_25 W_O1' W_V' N_1'", s.t_25, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_27(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_28(s):
-        return s.mm("t_25 W_O1'", s.t_25, tr(s.W_O1))
+    def t_26(s):
+        return s.mm("t_23 W_O1'", s.t_23, tr(s.W_O1))
 
     @leaf
-    def t_29(s):
+    def t_27(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_30(s):
+    def t_28(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_31(s):
+    def t_29(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_32(s):
+    def t_30(s):
         return (s.t_12 * s.t_11)
 
     @leaf
-    def t_33(s):
+    def t_31(s):
         return tr(s.t_6)
 
     @leaf
-    def t_34(s):
-        return softmax_diff(s.A2, s.mm("t_25 W_O2' W_V' N_1'", s.t_25, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+    def t_32(s):
+        return softmax_diff(s.A2, s.mm("t_23 W_O2' W_V' N_1'", s.t_23, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_35(s):
+    def t_33(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
-    def t_36(s):
-        return s.mm("t_25 W_O2'", s.t_25, tr(s.W_O2))
+    def t_34(s):
+        return s.mm("t_23 W_O2'", s.t_23, tr(s.W_O2))
 
     @leaf
-    def t_37(s):
+    def t_35(s):
         return tr(s.t_7)
 
     @leaf
-    def t_38(s):
+    def t_36(s):
         return tr(s.t_8)
 
     @leaf
+    def t_37(s):
+        return mul((2/s.d_V) * s.t_19, s.t_20, s.Y_2)
+
+    @leaf
+    def t_38(s):
+        return s.mm('t_37 one', s.t_37, s.one)
+
+    @leaf
     def t_39(s):
-        return (2/s.d_V) * s.t_19
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_38, s.Y_2), (1, s.G))
 
     @leaf
     def t_40(s):
-        return mul(s.t_39, s.t_22, s.Y_2)
+        return s.mm("t_39 W_O1'", s.t_39, tr(s.W_O1))
 
     @leaf
     def t_41(s):
-        return s.mm('t_40 one', s.t_40, s.one)
+        return s.mm("t_39 W_O2'", s.t_39, tr(s.W_O2))
 
     @leaf
     def t_42(s):
-        return lin((1, s.t_19, s.R_N_2), (1, s.t_41, s.Y_2), (1, s.G))
+        return s.mm("A1' t_39", tr(s.A1), s.t_39)
 
     @leaf
     def t_43(s):
-        return s.mm("t_42 W_O1'", s.t_42, tr(s.W_O1))
+        return s.mm("A2' t_39", tr(s.A2), s.t_39)
 
     @leaf
     def t_44(s):
-        return s.mm("t_42 W_O2'", s.t_42, tr(s.W_O2))
+        return tr(s.t_27)
 
     @leaf
     def t_45(s):
-        return s.mm("A1' t_42", tr(s.A1), s.t_42)
-
-    @leaf
-    def t_46(s):
-        return s.mm("A2' t_42", tr(s.A2), s.t_42)
-
-    @leaf
-    def t_47(s):
         return tr(s.t_29)
 
     @leaf
-    def t_48(s):
-        return tr(s.t_31)
-
-    @leaf
-    def t_49(s):
+    def t_46(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
-    def t_50(s):
+    def t_47(s):
         return s.mm("t_15' t_15", tr(s.t_15), s.t_15)
 
     @leaf
-    def t_51(s):
-        return (s.t_22 * s.Y_2)
+    def t_48(s):
+        return (s.t_20 * s.Y_2)
 
     @leaf
-    def t_52(s):
+    def t_49(s):
         return mul(s.t_13, s.t_11, s.t_14)
 
     @leaf
-    def t_53(s):
+    def t_50(s):
         return (s.t_12 * s.t_14)
 
     @leaf
-    def t_54(s):
+    def t_51(s):
         return mul(((2.0 * s.t_12) - 1.0), (s.t_12 - 1.0), s.t_12)
 
     @leaf
-    def t_55(s):
-        return mul(s.t_54, s.t_16, s.t_11, s.t_14)
+    def t_52(s):
+        return mul(s.t_51, s.t_16, s.t_11, s.t_14)
 
     @leaf
-    def t_56(s):
+    def t_53(s):
         return mul(s.t_13, s.t_16, s.t_14)
 
     @leaf
-    def t_57(s):
+    def t_54(s):
         return mul(s.t_13, s.t_16, s.t_11)
 
     @leaf
-    def t_58(s):
+    def t_55(s):
         return (s.t_12 * s.t_16)
 
     @leaf
-    def t_59(s):
-        return (s.t_21 * s.t_22)
+    def t_56(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19 * s.t_20)
 
     @leaf
-    def t_60(s):
+    def t_57(s):
         return (0.75 * (s.t_10 ** -2.5))
 
     @leaf
+    def t_58(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19, s.t_57, s.Y_2)
+
+    @leaf
+    def t_59(s):
+        return bcast_last(s.t_22, s.d_V)
+
+    @leaf
+    def t_60(s):
+        return ((1/math.sqrt(s.d_K)) * s.t_19 * s.t_20)
+
+    @leaf
     def t_61(s):
-        return mul(s.t_21, s.t_60, s.Y_2)
+        return (1/math.sqrt(s.d_K)) * s.t_39
 
     @leaf
     def t_62(s):
-        return bcast_last(s.t_24, s.d_V)
+        return softmax_diff(s.A1, s.mm("t_61 W_O1' W_V' N_1'", s.t_61, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_63(s):
-        return (s.t_20 * s.t_22)
+        return ((2/s.d_V) * s.t_19 * s.t_20)
 
     @leaf
     def t_64(s):
-        return (1/math.sqrt(s.d_K)) * s.t_42
+        return mul((2/s.d_V) * s.t_19, s.t_57, s.Y_2)
 
     @leaf
     def t_65(s):
-        return softmax_diff(s.A1, s.mm("t_64 W_O1' W_V' N_1'", s.t_64, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        return bcast_last(s.t_38, s.d_V)
 
     @leaf
     def t_66(s):
-        return (s.t_39 * s.t_22)
+        return (s.t_19 * s.t_20)
 
     @leaf
     def t_67(s):
-        return mul(s.t_39, s.t_60, s.Y_2)
-
-    @leaf
-    def t_68(s):
-        return bcast_last(s.t_41, s.d_V)
-
-    @leaf
-    def t_69(s):
-        return (s.t_19 * s.t_22)
-
-    @leaf
-    def t_70(s):
-        return softmax_diff(s.A2, s.mm("t_64 W_O2' W_V' N_1'", s.t_64, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        return softmax_diff(s.A2, s.mm("t_61 W_O2' W_V' N_1'", s.t_61, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_71(s):
+    def t_68(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_69(s):
+        return (s.t_68 * s.t_68)
+
+    @leaf
+    def t_70(s):
+        return s.mm('one_2 t_69 one', s.one_2, s.t_69, s.one)
+
+    @leaf
+    def t_71(s):
+        return s.mm("t_24 t_2'", s.t_24, tr(s.t_2))
 
     @leaf
     def t_72(s):
-        return (s.t_71 * s.t_71)
+        return (s.t_71 * s.C)
 
     @leaf
     def t_73(s):
-        return s.mm('one_2 t_72 one', s.one_2, s.t_72, s.one)
+        return (s.t_71 * s.S)
 
     @leaf
     def t_74(s):
-        return s.mm("t_26 t_2'", s.t_26, tr(s.t_2))
+        return s.mm("t_32 t_2'", s.t_32, tr(s.t_2))
 
     @leaf
     def t_75(s):
-        return (s.t_74 * s.C)
-
-    @leaf
-    def t_76(s):
         return (s.t_74 * s.S)
 
     @leaf
+    def t_76(s):
+        return (s.t_74 * s.C)
+
+    @leaf
     def t_77(s):
-        return s.mm("t_34 t_2'", s.t_34, tr(s.t_2))
+        return s.mm("t_62' t_35'", tr(s.t_62), tr(s.t_35))
 
     @leaf
     def t_78(s):
-        return (s.t_77 * s.S)
+        return s.mm("t_67' t_36'", tr(s.t_67), tr(s.t_36))
 
     @leaf
     def t_79(s):
-        return (s.t_77 * s.C)
+        return (s.t_77 + s.t_78)
 
     @leaf
     def t_80(s):
-        return s.mm("t_65' t_37'", tr(s.t_65), tr(s.t_37))
+        return (s.t_79 * s.S)
 
     @leaf
     def t_81(s):
-        return s.mm("t_70' t_38'", tr(s.t_70), tr(s.t_38))
+        return (s.t_79 * s.C)
 
     @leaf
-    def t_82(s):
-        return (s.t_80 + s.t_81)
+    def t_88(s):
+        return (s.t_49 + s.t_50)
 
     @leaf
-    def t_83(s):
-        return (s.t_82 * s.S)
+    def t_108(s):
+        return s.mm("t_39 W_O1' W_V' N_1'", s.t_39, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_84(s):
-        return (s.t_82 * s.C)
+    def t_110(s):
+        return lin((1, s.t_52), (2, s.t_53))
 
     @leaf
-    def t_91(s):
-        return (s.t_52 + s.t_53)
+    def t_122(s):
+        return (s.t_54 + s.t_55)
 
     @leaf
-    def t_111(s):
-        return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_132(s):
+        return softmax_diff(s.A1, s.t_108)
 
     @leaf
-    def t_113(s):
-        return lin((1, s.t_55), (2, s.t_56))
+    def t_134(s):
+        return s.mm("t_39 W_O2' W_V' N_1'", s.t_39, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_125(s):
-        return (s.t_57 + s.t_58)
-
-    @leaf
-    def t_135(s):
-        return softmax_diff(s.A1, s.t_111)
-
-    @leaf
-    def t_137(s):
-        return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_139(s):
+        return softmax_diff(s.A2, s.t_134)
 
     @leaf
     def t_142(s):
-        return softmax_diff(s.A2, s.t_137)
-
-    @leaf
-    def t_145(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_150(s):
+    def t_147(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_151(s):
+    def t_148(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_149(s):
+        return lin((1, mul(s.t_13, s.t_148, s.t_11), s.t_14), (1, (s.t_12 * s.t_148), s.t_14))
+
+    @leaf
+    def t_150(s):
+        return s.mm("t_149 W_1'", s.t_149, tr(s.W_1))
+
+    @leaf
+    def t_151(s):
+        return mul(s.t_12, s.t_148, s.t_11)
+
+    @leaf
     def t_152(s):
-        return mul(s.t_13, s.t_151, s.t_11, s.t_14)
+        return s.mm("t_151 W_3'", s.t_151, tr(s.W_3))
 
     @leaf
     def t_153(s):
-        return mul(s.t_12, s.t_151, s.t_14)
+        return (s.t_150 + s.t_152)
 
     @leaf
     def t_154(s):
-        return (s.t_152 + s.t_153)
+        return mul((2/s.d_V) * s.t_153, s.t_20, s.Y_2)
 
     @leaf
     def t_155(s):
-        return s.mm("t_154 W_1'", s.t_154, tr(s.W_1))
+        return s.mm('t_154 one', s.t_154, s.one)
 
     @leaf
     def t_156(s):
-        return mul(s.t_12, s.t_151, s.t_11)
+        return lin((2/(s.L*s.d_V), s.t_147), (1, s.t_153, s.R_N_2), (1, s.t_155, s.Y_2))
 
     @leaf
     def t_157(s):
-        return s.mm("t_156 W_3'", s.t_156, tr(s.W_3))
+        return s.mm("t_156 W_O1' W_V' N_1'", s.t_156, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_158(s):
-        return (s.t_155 + s.t_157)
+    def t_172(s):
+        return lin((1, mul(s.t_51, s.t_148, s.t_11), s.t_14), (2, (s.t_13 * s.t_148), s.t_14))
 
     @leaf
-    def t_159(s):
-        return mul((2/s.d_V) * s.t_158, s.t_22, s.Y_2)
+    def t_174(s):
+        return lin((1, (s.t_13 * s.t_148), s.t_11), (1, s.t_12, s.t_148))
 
     @leaf
-    def t_160(s):
-        return s.mm('t_159 one', s.t_159, s.one)
-
-    @leaf
-    def t_161(s):
-        return lin((2/(s.L*s.d_V), s.t_150), (1, s.t_158, s.R_N_2), (1, s.t_160, s.Y_2))
-
-    @leaf
-    def t_162(s):
-        return s.mm("t_161 W_O1' W_V' N_1'", s.t_161, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_177(s):
-        return lin((1, mul(s.t_54, s.t_151, s.t_11), s.t_14), (2, (s.t_13 * s.t_151), s.t_14))
+    def t_178(s):
+        return (s.t_153 * s.t_20)
 
     @leaf
     def t_179(s):
-        return mul(s.t_13, s.t_151, s.t_11)
+        return ((2/s.d_V) * s.t_153 * s.t_20)
 
     @leaf
     def t_180(s):
-        return (s.t_12 * s.t_151)
-
-    @leaf
-    def t_181(s):
-        return (s.t_179 + s.t_180)
-
-    @leaf
-    def t_185(s):
-        return (s.t_158 * s.t_22)
+        return mul((2/s.d_V) * s.t_153, s.t_57, s.Y_2)
 
     @leaf
     def t_186(s):
-        return ((2/s.d_V) * s.t_158 * s.t_22)
+        return softmax_diff(s.A1, s.t_157)
 
     @leaf
-    def t_187(s):
-        return mul((2/s.d_V) * s.t_158, s.t_60, s.Y_2)
+    def t_188(s):
+        return s.mm("t_156 W_O2' W_V' N_1'", s.t_156, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_193(s):
-        return softmax_diff(s.A1, s.t_162)
-
-    @leaf
-    def t_195(s):
-        return s.mm("t_161 W_O2' W_V' N_1'", s.t_161, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_200(s):
-        return softmax_diff(s.A2, s.t_195)
+        return softmax_diff(s.A2, s.t_188)
 
     @leaf
     def S_2(s):
@@ -648,15 +620,15 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_51),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_52),
-            net(1, 'nab->nab', s.t_53),
+            net(1, 'nab->nab', s.t_49),
+            net(1, 'nab->nab', s.t_50),
         ])
 
     @leaf
@@ -664,7 +636,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_30),
         ])
 
     @leaf
@@ -672,7 +644,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_30, s.W_3),
         ])
 
     @leaf
@@ -680,7 +652,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_51, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_48, ONES, s.Y_2),
         ])
 
     @leaf
@@ -720,16 +692,16 @@ class mse_causal0(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_55),
-            net(2, 'nab->nab', s.t_56),
+            net(1, 'nab->nab', s.t_52),
+            net(2, 'nab->nab', s.t_53),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_57),
-            net(1, 'nab->nab', s.t_58),
+            net(1, 'nab->nab', s.t_54),
+            net(1, 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -752,17 +724,17 @@ class mse_causal0(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_51, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_56, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_58, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_60, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -771,9 +743,9 @@ class mse_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_26, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_26),
+            net(1, 'nab,bc->nabc', s.t_24, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_24, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_24),
         ])
 
     @leaf
@@ -836,16 +808,16 @@ class mse_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_34, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_34, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_34),
+            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_32, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_32),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_31, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -853,26 +825,26 @@ class mse_causal0(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_65, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_65),
+            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_62, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_62),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_51, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_69, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
@@ -881,9 +853,9 @@ class mse_causal0(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_70, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_70),
+            net(1, 'nab,bc->nabc', s.t_67, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_67, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_67),
         ])
 
     @leaf
@@ -891,7 +863,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_51),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
@@ -915,8 +887,8 @@ class mse_causal0(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_52),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_53),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_49),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_50),
         ])
 
     @leaf
@@ -970,7 +942,7 @@ class mse_causal0(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_26, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_24, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -989,34 +961,34 @@ class mse_causal0(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_26),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_27),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_25),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_28, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_28, s.W_O1, s.S_17, s.t_27),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_29),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -1035,7 +1007,7 @@ class mse_causal0(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -1060,7 +1032,7 @@ class mse_causal0(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -1072,247 +1044,247 @@ class mse_causal0(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_34, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_32, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_35, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_35, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_33, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_33, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_34),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_27),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_27),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_29),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.t_25),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.W_O2, s.S_17, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_28, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_28, s.W_O2, s.S_17, s.t_29),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_37, s.d2A_3, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_4, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_35, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_36, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_27, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_27, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_35, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_35, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_25, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_25, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_33, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_33, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_41),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_9, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_9, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_9, s.t_27),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA, s.t_30, s.t_42),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_30, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_35, s.dA, s.t_28, s.t_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_28, s.W_O1, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_27),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_9, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_9, s.t_29),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_30, s.t_42),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_30, s.W_O2, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_28, s.t_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_28, s.W_O2, s.S_26, s.t_29),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -1348,31 +1320,31 @@ class mse_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_27),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_27),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_45, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_42, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_27),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_31),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_31),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_46, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_31),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_43, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -1394,8 +1366,8 @@ class mse_causal0(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_32, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -1424,119 +1396,119 @@ class mse_causal0(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_28, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_28, s.t_27),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_26, s.t_27),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_28, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_28, s.t_29),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_26, s.t_29),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_47, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_44, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_47, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_44, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_44, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_47, s.S_29, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_44, s.S_29, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_47, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_44, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_44, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_29, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_47, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_44, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_28, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_28, s.t_29),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_26, s.t_29),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_48, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_45, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_48, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_45, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_48, s.S_29, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_45, s.S_29, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_29, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_48, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_45, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_49, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_46, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -1548,7 +1520,7 @@ class mse_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_49, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_46, s.t_30, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -1572,25 +1544,25 @@ class mse_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_32, s.t_49, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_30, s.t_46, s.t_30, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_32, s.t_15, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_30, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_30, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_50, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_47, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q1(s):
@@ -1626,13 +1598,13 @@ class mse_causal0(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_27),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_31),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
         ]
 
     def jacobian__W_1(s):
@@ -1644,7 +1616,7 @@ class mse_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_30, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -1655,16 +1627,16 @@ class mse_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_73, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_70, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_75", tr(s.N_1), s.t_75), (1, "N_1' t_76 R'", tr(s.N_1), s.t_76, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_78 R'", tr(s.N_1), s.t_78, tr(s.R)), (1, "N_1' t_79", tr(s.N_1), s.t_79), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_83 R'", tr(s.N_1), s.t_83, tr(s.R)), (1, "N_1' t_84", tr(s.N_1), s.t_84), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_42 W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_42", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_42, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_42", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_42, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_72", tr(s.N_1), s.t_72), (1, "N_1' t_73 R'", tr(s.N_1), s.t_73, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_75 R'", tr(s.N_1), s.t_75, tr(s.R)), (1, "N_1' t_76", tr(s.N_1), s.t_76), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_80 R'", tr(s.N_1), s.t_80, tr(s.R)), (1, "N_1' t_81", tr(s.N_1), s.t_81), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_39 W_O1'", tr(s.N_1), tr(s.A1), s.t_39, tr(s.W_O1)), (1, "N_1' A2' t_39 W_O2'", tr(s.N_1), tr(s.A2), s.t_39, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_39", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_39, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_39", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_39, mean=True)
         out_W_1 = s.mm("N_2' t_17", tr(s.N_2), s.t_17, mean=True)
         out_W_3 = s.mm("N_2' t_18", tr(s.N_2), s.t_18, mean=True)
         out_W_2 = s.mm("t_15' G", tr(s.t_15), s.G, mean=True)
@@ -1672,129 +1644,129 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_85 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_86 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_87 = lin((1/math.sqrt(s.d_K), s.prod("t_37' @t_85", tr(s.t_37), t_85)), (1/math.sqrt(s.d_K), s.prod("@t_86 t_5'", t_86, tr(s.t_5))))
-        t_88 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_89 = lin((1/math.sqrt(s.d_K), s.prod("@t_88 t_5'", t_88, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_38' @t_85", tr(s.t_38), t_85)))
-        t_90 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_87), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_89), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_92 = lin((1, t_90, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_90 * s.Y_2), s.one), s.t_51))
-        t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
-        t_96 = (2/(s.L*s.d_V)) * s.mm("@t_95 W_2'", t_95, tr(s.W_2))
-        t_97 = (s.t_91 * t_96)
-        t_98 = (s.t_32 * t_96)
-        t_99 = lin((1, s.prod("@t_97 W_1'", t_97, tr(s.W_1))), (1, s.prod("@t_98 W_3'", t_98, tr(s.W_3))))
-        t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_51 * t_99), s.one), s.Y_2))
-        t_101 = softmax_diff(s.A1, s.mm("@t_100 W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_102 = s.mm("@t_101 t_2'", t_101, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), mean=True)
-        t_103 = softmax_diff(s.A2, s.mm("@t_100 W_O2' W_V' N_1'", t_100, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_104 = s.mm("@t_103 t_2'", t_103, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_104 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_104 * s.C)), mean=True)
-        t_105 = lin((1, s.prod("@t_101' t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("@t_103' t_38'", tr(t_103), tr(s.t_38))))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_105 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_105 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_100 W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' @t_100 W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
-        out_W_1 = s.mm("N_2' @t_97", tr(s.N_2), t_97, mean=True)
-        out_W_3 = s.mm("N_2' @t_98", tr(s.N_2), t_98, mean=True)
-        t_106 = (2/(s.L*s.d_V)) * t_95
-        out_W_2 = s.mm("t_15' @t_106", tr(s.t_15), t_106, mean=True)
+        t_82 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_83 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_84 = lin((1/math.sqrt(s.d_K), s.prod("t_35' @t_82", tr(s.t_35), t_82)), (1/math.sqrt(s.d_K), s.prod("@t_83 t_5'", t_83, tr(s.t_5))))
+        t_85 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_86 = lin((1/math.sqrt(s.d_K), s.prod("@t_85 t_5'", t_85, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_36' @t_82", tr(s.t_36), t_82)))
+        t_87 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_84), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_86), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_89 = lin((1, t_87, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_87 * s.Y_2), s.one), s.t_48))
+        t_90 = lin((1, s.prod('@t_89 W_1', t_89, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_91 = lin((1, s.prod('@t_89 W_3', t_89, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_92 = lin((1, t_87), (1, s.prod('_ W_2', lin((1, s.t_88, t_90), (1, s.t_30, t_91)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_93 = (2/(s.L*s.d_V)) * s.mm("@t_92 W_2'", t_92, tr(s.W_2))
+        t_94 = (s.t_88 * t_93)
+        t_95 = (s.t_30 * t_93)
+        t_96 = lin((1, s.prod("@t_94 W_1'", t_94, tr(s.W_1))), (1, s.prod("@t_95 W_3'", t_95, tr(s.W_3))))
+        t_97 = lin((2/(s.L*s.d_V), t_92), (1, t_96, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_48 * t_96), s.one), s.Y_2))
+        t_98 = softmax_diff(s.A1, s.mm("@t_97 W_O1' W_V' N_1'", t_97, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_99 = s.mm("@t_98 t_2'", t_98, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_99 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_99 * s.S), tr(s.R)), mean=True)
+        t_100 = softmax_diff(s.A2, s.mm("@t_97 W_O2' W_V' N_1'", t_97, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_101 = s.mm("@t_100 t_2'", t_100, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_101 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_101 * s.C)), mean=True)
+        t_102 = lin((1, s.prod("@t_98' t_35'", tr(t_98), tr(s.t_35))), (1, s.prod("@t_100' t_36'", tr(t_100), tr(s.t_36))))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_97 W_O2'", tr(s.N_1), tr(s.A2), t_97, tr(s.W_O2)), (1, "N_1' A1' @t_97 W_O1'", tr(s.N_1), tr(s.A1), t_97, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' @t_97", tr(s.W_V), tr(s.N_1), tr(s.A1), t_97, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' @t_97", tr(s.W_V), tr(s.N_1), tr(s.A2), t_97, mean=True)
+        out_W_1 = s.mm("N_2' @t_94", tr(s.N_2), t_94, mean=True)
+        out_W_3 = s.mm("N_2' @t_95", tr(s.N_2), t_95, mean=True)
+        t_103 = (2/(s.L*s.d_V)) * t_92
+        out_W_2 = s.mm("t_15' @t_103", tr(s.t_15), t_103, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_107 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_108 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_109 = lin((1, s.prod("t_37' @t_107", tr(s.t_37), t_107)), (1, s.prod("@t_108 t_5'", t_108, tr(s.t_5))))
-        t_110 = (1/math.sqrt(s.d_K)) * t_109
-        t_112 = softmax_diff2(s.A1, t_110, s.t_111)
-        t_114 = softmax_diff(s.A1, t_110)
-        t_115 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_116 = lin((1, s.prod("@t_115 t_5'", t_115, tr(s.t_5))), (1, s.prod("t_38' @t_107", tr(s.t_38), t_107)))
-        t_117 = (1/math.sqrt(s.d_K)) * t_116
-        t_118 = softmax_diff(s.A2, t_117)
-        t_119 = lin((1, s.mm_sum('r', (1, '@t_114 N_1 W_V W_O1', t_114, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_118 N_1 W_V W_O2', t_118, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_120 = s.mm('_ one', (t_119 * s.Y_2), s.one)
-        t_121 = (t_120 * s.t_51)
-        t_122 = lin((1, t_119, s.R_N_2), (2/s.d_V, t_121))
-        t_123 = lin((1, s.prod('@t_122 W_1', t_122, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_124 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
-        t_126 = lin((1, s.prod('@t_122 W_3', t_122, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_127 = lin((1, s.t_113, t_123), (1, s.t_91, t_124), (1, s.t_125, t_126))
-        t_128 = ((s.t_125 * t_123) + (s.t_32 * t_124))
-        t_129 = lin((1, s.prod("@t_127 W_1'", t_127, tr(s.W_1))), (1, s.prod("@t_128 W_3'", t_128, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
-        t_130 = lin((1, s.t_66, t_119), (2/s.d_V, s.t_51, t_129), (2/s.d_V, t_120, s.t_67))
-        t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_69), (1, s.t_41, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
-        t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_133 = softmax_diff(s.A1, t_132)
-        t_134 = (t_112 + t_133)
-        t_136 = lin((1, s.prod("@t_134 t_2'", t_134, tr(s.t_2))), (1, s.prod("t_135 @t_107'", s.t_135, tr(t_107))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_136 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_136 * s.S), tr(s.R)), mean=True)
-        t_138 = softmax_diff2(s.A2, t_117, s.t_137)
-        t_139 = s.mm_sum('r', (1, "@t_131 W_O2' W_V' N_1'", t_131, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_140 = softmax_diff(s.A2, t_139)
-        t_141 = (t_138 + t_140)
-        t_143 = lin((1, s.prod("@t_141 t_2'", t_141, tr(s.t_2))), (1, s.prod("t_142 @t_107'", s.t_142, tr(t_107))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_143 * s.C)), mean=True)
-        t_144 = lin((1, s.prod("@t_134' t_37'", tr(t_134), tr(s.t_37))), (1, s.prod("@t_141' t_38'", tr(t_141), tr(s.t_38))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_118' t_42 W_O2'", tr(s.N_1), tr(t_118), s.t_42, tr(s.W_O2)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' @t_114' t_42 W_O1'", tr(s.N_1), tr(t_114), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_114' t_42", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_118' t_42", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
-        out_W_1 = (s.mm("@t_122' t_17", tr(t_122), s.t_17, mean=True) + s.mm("N_2' @t_127", tr(s.N_2), t_127, mean=True))
-        out_W_3 = (s.mm("@t_122' t_18", tr(t_122), s.t_18, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_123)) + (s.t_145 * tr(t_126))), s.G, mean=True)
+        t_104 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_105 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_106 = lin((1, s.prod("t_35' @t_104", tr(s.t_35), t_104)), (1, s.prod("@t_105 t_5'", t_105, tr(s.t_5))))
+        t_107 = (1/math.sqrt(s.d_K)) * t_106
+        t_109 = softmax_diff2(s.A1, t_107, s.t_108)
+        t_111 = softmax_diff(s.A1, t_107)
+        t_112 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_113 = lin((1, s.prod("@t_112 t_5'", t_112, tr(s.t_5))), (1, s.prod("t_36' @t_104", tr(s.t_36), t_104)))
+        t_114 = (1/math.sqrt(s.d_K)) * t_113
+        t_115 = softmax_diff(s.A2, t_114)
+        t_116 = lin((1, s.mm_sum('r', (1, '@t_111 N_1 W_V W_O1', t_111, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_115 N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
+        t_118 = (t_117 * s.t_48)
+        t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
+        t_120 = lin((1, s.prod('@t_119 W_1', t_119, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_121 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_123 = lin((1, s.prod('@t_119 W_3', t_119, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_124 = lin((1, s.t_110, t_120), (1, s.t_88, t_121), (1, s.t_122, t_123))
+        t_125 = lin((1, s.t_122, t_120), (1, s.t_30, t_121))
+        t_126 = lin((1, s.prod("@t_124 W_1'", t_124, tr(s.W_1))), (1, s.prod("@t_125 W_3'", t_125, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
+        t_127 = lin((1, s.t_63, t_116), (2/s.d_V, s.t_48, t_126), (2/s.d_V, t_117, s.t_64))
+        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_66), (1, s.t_38, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
+        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 @V_W_O1' W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' @V_W_V' N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_130 = softmax_diff(s.A1, t_129)
+        t_131 = (t_109 + t_130)
+        t_133 = lin((1, s.prod("@t_131 t_2'", t_131, tr(s.t_2))), (1, s.prod("t_132 @t_104'", s.t_132, tr(t_104))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), mean=True)
+        t_135 = softmax_diff2(s.A2, t_114, s.t_134)
+        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' @V_W_V' N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_39 @V_W_O2' W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_137 = softmax_diff(s.A2, t_136)
+        t_138 = (t_135 + t_137)
+        t_140 = lin((1, s.prod("@t_138 t_2'", t_138, tr(s.t_2))), (1, s.prod("t_139 @t_104'", s.t_139, tr(t_104))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), mean=True)
+        t_141 = lin((1, s.prod("@t_131' t_35'", tr(t_131), tr(s.t_35))), (1, s.prod("@t_138' t_36'", tr(t_138), tr(s.t_36))), (1, s.prod("t_132' @t_105", tr(s.t_132), t_105)), (1, s.prod("t_139' @t_112", tr(s.t_139), t_112)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_141 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_39 W_O2'", tr(s.N_1), tr(t_115), s.t_39, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A1' t_39 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_39, tr(V_W_O1)), (1, "N_1' @t_111' t_39 W_O1'", tr(s.N_1), tr(t_111), s.t_39, tr(s.W_O1)), (1, "N_1' A2' t_39 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_39, tr(V_W_O2)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_39", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_39), (1, "W_V' N_1' @t_111' t_39", tr(s.W_V), tr(s.N_1), tr(t_111), s.t_39), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_39", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_39), (1, "W_V' N_1' @t_115' t_39", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_39), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
+        out_W_1 = (s.mm("@t_119' t_17", tr(t_119), s.t_17, mean=True) + s.mm("N_2' @t_124", tr(s.N_2), t_124, mean=True))
+        out_W_3 = (s.mm("@t_119' t_18", tr(t_119), s.t_18, mean=True) + s.mm("N_2' @t_125", tr(s.N_2), t_125, mean=True))
+        out_W_2 = s.mm('_ G', lin((1, tr(s.t_88), tr(t_120)), (1, s.t_142, tr(t_123))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_146 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_147 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_148 = lin((1, s.prod("t_37' @t_146", tr(s.t_37), t_146)), (1, s.prod("@t_147 t_5'", t_147, tr(s.t_5))))
-        t_149 = (1/math.sqrt(s.d_K)) * t_148
-        t_163 = softmax_diff2(s.A1, t_149, s.t_162)
-        t_164 = softmax_diff(s.A1, t_149)
-        t_165 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_166 = lin((1, s.prod("@t_165 t_5'", t_165, tr(s.t_5))), (1, s.prod("t_38' @t_146", tr(s.t_38), t_146)))
-        t_167 = (1/math.sqrt(s.d_K)) * t_166
-        t_168 = softmax_diff(s.A2, t_167)
-        t_169 = lin((1, s.mm_sum('r', (1, '@t_164 N_1 W_V W_O1', t_164, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_168 N_1 W_V W_O2', t_168, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_170 = s.mm('_ one', (t_169 * s.Y_2), s.one)
-        t_171 = (t_170 * s.t_51)
-        t_172 = lin((1, t_169, s.R_N_2), (2/s.d_V, t_171))
-        t_173 = lin((1, s.prod('@t_172 W_1', t_172, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_174 = lin((1, s.prod('@t_172 W_3', t_172, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_175 = ((s.t_91 * t_173) + (s.t_32 * t_174))
-        t_176 = lin((1, t_169), (1, s.prod('@t_175 W_2', t_175, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
-        t_178 = lin((2/(s.L*s.d_V), s.prod("@t_176 W_2'", t_176, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
-        t_182 = lin((1, s.t_177, t_173), (1, s.t_91, t_178), (1, s.t_181, t_174))
-        t_183 = ((s.t_181 * t_173) + (s.t_32 * t_178))
-        t_184 = lin((1, s.prod("@t_182 W_1'", t_182, tr(s.W_1))), (1, s.prod("@t_183 W_3'", t_183, tr(s.W_3))), (1, s.prod("t_154 @V_W_1'", s.t_154, tr(V_W_1))), (1, s.prod("t_156 @V_W_3'", s.t_156, tr(V_W_3))))
-        t_188 = lin((1, s.t_186, t_169), (2/s.d_V, s.t_51, t_184), (2/s.d_V, t_170, s.t_187))
-        t_189 = lin((2/(s.L*s.d_V), t_176), (1, t_184, s.R_N_2), (2/s.d_V, t_170, s.t_185), (1, s.t_160, t_169), (1, s.mm('@t_188 one', t_188, s.one), s.Y_2))
-        t_190 = s.mm_sum('r', (1, "@t_189 W_O1' W_V' N_1'", t_189, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_161 @V_W_O1' W_V' N_1'", s.t_161, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_161 W_O1' @V_W_V' N_1'", s.t_161, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_191 = softmax_diff(s.A1, t_190)
-        t_192 = (t_163 + t_191)
-        t_194 = lin((1, s.prod("@t_192 t_2'", t_192, tr(s.t_2))), (1, s.prod("t_193 @t_146'", s.t_193, tr(t_146))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_194 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_194 * s.C)), mean=True)
-        t_196 = softmax_diff2(s.A2, t_167, s.t_195)
-        t_197 = s.mm_sum('r', (1, "@t_189 W_O2' W_V' N_1'", t_189, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_161 @V_W_O2' W_V' N_1'", s.t_161, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_161 W_O2' @V_W_V' N_1'", s.t_161, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_198 = softmax_diff(s.A2, t_197)
-        t_199 = (t_196 + t_198)
-        t_201 = lin((1, s.prod("@t_199 t_2'", t_199, tr(s.t_2))), (1, s.prod("t_200 @t_146'", s.t_200, tr(t_146))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_201 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
-        t_202 = lin((1, s.prod("@t_192' t_37'", tr(t_192), tr(s.t_37))), (1, s.prod("@t_199' t_38'", tr(t_199), tr(s.t_38))), (1, s.prod("t_193' @t_147", tr(s.t_193), t_147)), (1, s.prod("t_200' @t_165", tr(s.t_200), t_165)))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_161 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_161, tr(V_W_O2)), (1, "N_1' A2' @t_189 W_O2'", tr(s.N_1), tr(s.A2), t_189, tr(s.W_O2)), (1, "N_1' A1' t_161 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_161, tr(V_W_O1)), (1, "N_1' @t_164' t_161 W_O1'", tr(s.N_1), tr(t_164), s.t_161, tr(s.W_O1)), (1, "N_1' @t_168' t_161 W_O2'", tr(s.N_1), tr(t_168), s.t_161, tr(s.W_O2)), (1, "N_1' A1' @t_189 W_O1'", tr(s.N_1), tr(s.A1), t_189, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_161", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_161), (1, "W_V' N_1' @t_164' t_161", tr(s.W_V), tr(s.N_1), tr(t_164), s.t_161), mean=True)), (1, s.mm("W_V' N_1' A1' @t_189", tr(s.W_V), tr(s.N_1), tr(s.A1), t_189, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_161", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_161), (1, "W_V' N_1' @t_168' t_161", tr(s.W_V), tr(s.N_1), tr(t_168), s.t_161), mean=True)), (1, s.mm("W_V' N_1' A2' @t_189", tr(s.W_V), tr(s.N_1), tr(s.A2), t_189, mean=True)))
-        out_W_1 = (s.mm("@t_172' t_154", tr(t_172), s.t_154, mean=True) + s.mm("N_2' @t_182", tr(s.N_2), t_182, mean=True))
-        out_W_3 = (s.mm("@t_172' t_156", tr(t_172), s.t_156, mean=True) + s.mm("N_2' @t_183", tr(s.N_2), t_183, mean=True))
-        t_203 = (2/(s.L*s.d_V)) * t_176
-        out_W_2 = (s.mm("@t_175' G", tr(t_175), s.G, mean=True) + s.mm("t_15' @t_203", tr(s.t_15), t_203, mean=True))
+        t_143 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_144 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_145 = lin((1, s.prod("t_35' @t_143", tr(s.t_35), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
+        t_146 = (1/math.sqrt(s.d_K)) * t_145
+        t_158 = softmax_diff2(s.A1, t_146, s.t_157)
+        t_159 = softmax_diff(s.A1, t_146)
+        t_160 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_161 = lin((1, s.prod("@t_160 t_5'", t_160, tr(s.t_5))), (1, s.prod("t_36' @t_143", tr(s.t_36), t_143)))
+        t_162 = (1/math.sqrt(s.d_K)) * t_161
+        t_163 = softmax_diff(s.A2, t_162)
+        t_164 = lin((1, s.mm_sum('r', (1, '@t_159 N_1 W_V W_O1', t_159, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_163 N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
+        t_166 = (t_165 * s.t_48)
+        t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
+        t_168 = lin((1, s.prod('@t_167 W_1', t_167, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_169 = lin((1, s.prod('@t_167 W_3', t_167, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_170 = lin((1, s.t_88, t_168), (1, s.t_30, t_169))
+        t_171 = lin((1, t_164), (1, s.prod('@t_170 W_2', t_170, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_173 = lin((2/(s.L*s.d_V), s.prod("@t_171 W_2'", t_171, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
+        t_175 = lin((1, s.t_172, t_168), (1, s.t_88, t_173), (1, s.t_174, t_169))
+        t_176 = lin((1, s.t_174, t_168), (1, s.t_30, t_173))
+        t_177 = lin((1, s.prod("@t_175 W_1'", t_175, tr(s.W_1))), (1, s.prod("@t_176 W_3'", t_176, tr(s.W_3))), (1, s.prod("t_149 @V_W_1'", s.t_149, tr(V_W_1))), (1, s.prod("t_151 @V_W_3'", s.t_151, tr(V_W_3))))
+        t_181 = lin((1, s.t_179, t_164), (2/s.d_V, s.t_48, t_177), (2/s.d_V, t_165, s.t_180))
+        t_182 = lin((2/(s.L*s.d_V), t_171), (1, t_177, s.R_N_2), (2/s.d_V, t_165, s.t_178), (1, s.t_155, t_164), (1, s.mm('@t_181 one', t_181, s.one), s.Y_2))
+        t_183 = s.mm_sum('r', (1, "@t_182 W_O1' W_V' N_1'", t_182, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_156 @V_W_O1' W_V' N_1'", s.t_156, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_156 W_O1' @V_W_V' N_1'", s.t_156, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_184 = softmax_diff(s.A1, t_183)
+        t_185 = (t_158 + t_184)
+        t_187 = lin((1, s.prod("@t_185 t_2'", t_185, tr(s.t_2))), (1, s.prod("t_186 @t_143'", s.t_186, tr(t_143))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_187 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_187 * s.C)), mean=True)
+        t_189 = softmax_diff2(s.A2, t_162, s.t_188)
+        t_190 = s.mm_sum('r', (1, "@t_182 W_O2' W_V' N_1'", t_182, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_156 @V_W_O2' W_V' N_1'", s.t_156, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_156 W_O2' @V_W_V' N_1'", s.t_156, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_191 = softmax_diff(s.A2, t_190)
+        t_192 = (t_189 + t_191)
+        t_194 = lin((1, s.prod("@t_192 t_2'", t_192, tr(s.t_2))), (1, s.prod("t_193 @t_143'", s.t_193, tr(t_143))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_194 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_194 * s.S), tr(s.R)), mean=True)
+        t_195 = lin((1, s.prod("@t_185' t_35'", tr(t_185), tr(s.t_35))), (1, s.prod("@t_192' t_36'", tr(t_192), tr(s.t_36))), (1, s.prod("t_186' @t_144", tr(s.t_186), t_144)), (1, s.prod("t_193' @t_160", tr(s.t_193), t_160)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_156 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_156, tr(V_W_O2)), (1, "N_1' A2' @t_182 W_O2'", tr(s.N_1), tr(s.A2), t_182, tr(s.W_O2)), (1, "N_1' A1' t_156 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_156, tr(V_W_O1)), (1, "N_1' @t_159' t_156 W_O1'", tr(s.N_1), tr(t_159), s.t_156, tr(s.W_O1)), (1, "N_1' @t_163' t_156 W_O2'", tr(s.N_1), tr(t_163), s.t_156, tr(s.W_O2)), (1, "N_1' A1' @t_182 W_O1'", tr(s.N_1), tr(s.A1), t_182, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_156", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_156), (1, "W_V' N_1' @t_159' t_156", tr(s.W_V), tr(s.N_1), tr(t_159), s.t_156), mean=True)), (1, s.mm("W_V' N_1' A1' @t_182", tr(s.W_V), tr(s.N_1), tr(s.A1), t_182, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_156", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_156), (1, "W_V' N_1' @t_163' t_156", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_156), mean=True)), (1, s.mm("W_V' N_1' A2' @t_182", tr(s.W_V), tr(s.N_1), tr(s.A2), t_182, mean=True)))
+        out_W_1 = (s.mm("@t_167' t_149", tr(t_167), s.t_149, mean=True) + s.mm("N_2' @t_175", tr(s.N_2), t_175, mean=True))
+        out_W_3 = (s.mm("@t_167' t_151", tr(t_167), s.t_151, mean=True) + s.mm("N_2' @t_176", tr(s.N_2), t_176, mean=True))
+        t_196 = (2/(s.L*s.d_V)) * t_171
+        out_W_2 = (s.mm("@t_170' G", tr(t_170), s.G, mean=True) + s.mm("t_15' @t_196", tr(s.t_15), t_196, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -1802,15 +1774,15 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "247e5738985f9479a12d9d93"
+    STAMP = "0d5259341b63fdb98a8c7196"
     RUNS = {
         "@V_W_K' N_1'": 2,
-        "@V_W_O1 t_161'": 2,
-        "@V_W_O1 t_42'": 2,
+        "@V_W_O1 t_156'": 2,
+        "@V_W_O1 t_39'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
-        "@V_W_O2 t_161'": 2,
-        "@V_W_O2 t_42'": 2,
+        "@V_W_O2 t_156'": 2,
+        "@V_W_O2 t_39'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
         "@V_W_Q1' N_1'": 2,
@@ -1820,44 +1792,44 @@ class mse_causal1(Forward):
         "@V_W_V' N_1'": 6,
         "@V_W_V' N_1' A1'": 2,
         "@V_W_V' N_1' A2'": 2,
-        "@t_100 W_O1'": 2,
-        "@t_100 W_O2'": 2,
-        "@t_100' A1": 2,
-        "@t_100' A1 N_1": 2,
-        "@t_100' A2": 2,
-        "@t_100' A2 N_1": 2,
-        '@t_114 N_1': 3,
-        '@t_114 N_1 W_V': 2,
-        "@t_114' t_42": 2,
-        '@t_118 N_1': 3,
-        '@t_118 N_1 W_V': 2,
-        "@t_118' t_42": 2,
-        "@t_131 W_O1'": 2,
-        "@t_131 W_O2'": 2,
-        "@t_131' A1": 2,
-        "@t_131' A1 N_1": 2,
-        "@t_131' A2": 2,
-        "@t_131' A2 N_1": 2,
-        '@t_164 N_1': 3,
-        '@t_164 N_1 W_V': 2,
-        "@t_164' t_161": 2,
-        '@t_168 N_1': 3,
-        '@t_168 N_1 W_V': 2,
-        "@t_168' t_161": 2,
-        "@t_189 W_O1'": 2,
-        "@t_189 W_O2'": 2,
-        "@t_189' A1": 2,
-        "@t_189' A1 N_1": 2,
-        "@t_189' A2": 2,
-        "@t_189' A2 N_1": 2,
+        '@t_111 N_1': 3,
+        '@t_111 N_1 W_V': 2,
+        "@t_111' t_39": 2,
+        '@t_115 N_1': 3,
+        '@t_115 N_1 W_V': 2,
+        "@t_115' t_39": 2,
+        "@t_128 W_O1'": 2,
+        "@t_128 W_O2'": 2,
+        "@t_128' A1": 2,
+        "@t_128' A1 N_1": 2,
+        "@t_128' A2": 2,
+        "@t_128' A2 N_1": 2,
+        '@t_159 N_1': 3,
+        '@t_159 N_1 W_V': 2,
+        "@t_159' t_156": 2,
+        '@t_163 N_1': 3,
+        '@t_163 N_1 W_V': 2,
+        "@t_163' t_156": 2,
+        "@t_182 W_O1'": 2,
+        "@t_182 W_O2'": 2,
+        "@t_182' A1": 2,
+        "@t_182' A1 N_1": 2,
+        "@t_182' A2": 2,
+        "@t_182' A2 N_1": 2,
+        "@t_97 W_O1'": 2,
+        "@t_97 W_O2'": 2,
+        "@t_97' A1": 2,
+        "@t_97' A1 N_1": 2,
+        "@t_97' A2": 2,
+        "@t_97' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_161": 2,
-        "A1' t_42": 5,
+        "A1' t_156": 2,
+        "A1' t_39": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_161": 2,
-        "A2' t_42": 5,
+        "A2' t_156": 2,
+        "A2' t_39": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
         'N_1 @V_W_V W_O2': 2,
@@ -1867,21 +1839,21 @@ class mse_causal1(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_114' t_42": 2,
-        "N_1' @t_118' t_42": 2,
-        "N_1' @t_164' t_161": 2,
-        "N_1' @t_168' t_161": 2,
-        "N_1' A1' t_161": 2,
-        "N_1' A1' t_42": 4,
-        "N_1' A2' t_161": 2,
-        "N_1' A2' t_42": 4,
-        "W_O1 t_161'": 3,
-        "W_O1 t_25'": 2,
-        "W_O1 t_42'": 5,
+        "N_1' @t_111' t_39": 2,
+        "N_1' @t_115' t_39": 2,
+        "N_1' @t_159' t_156": 2,
+        "N_1' @t_163' t_156": 2,
+        "N_1' A1' t_156": 2,
+        "N_1' A1' t_39": 4,
+        "N_1' A2' t_156": 2,
+        "N_1' A2' t_39": 4,
+        "W_O1 t_156'": 3,
+        "W_O1 t_23'": 2,
+        "W_O1 t_39'": 5,
         "W_O1' W_V'": 13,
-        "W_O2 t_161'": 3,
-        "W_O2 t_25'": 2,
-        "W_O2 t_42'": 5,
+        "W_O2 t_156'": 3,
+        "W_O2 t_23'": 2,
+        "W_O2 t_39'": 5,
         "W_O2' W_V'": 13,
     }
 
@@ -1907,7 +1879,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_2(s):
-        return ((s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)) * tr(s.C)))
+        return lin((1, s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)), tr(s.C)))
 
     @leaf
     def t_3(s):
@@ -1927,11 +1899,11 @@ class mse_causal1(Forward):
 
     @leaf
     def t_7(s):
-        return ((s.mm('N_1 W_Q1', s.N_1, s.W_Q1) * s.C) + (s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R) * s.S))
+        return lin((1, s.mm('N_1 W_Q1', s.N_1, s.W_Q1), s.C), (1, s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R), s.S))
 
     @leaf
     def t_8(s):
-        return ((s.mm('N_1 W_Q2', s.N_1, s.W_Q2) * s.C) + (s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R) * s.S))
+        return lin((1, s.mm('N_1 W_Q2', s.N_1, s.W_Q2), s.C), (1, s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R), s.S))
 
     @leaf
     def T1(s):
@@ -2007,7 +1979,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_17(s):
-        return (mul(s.t_13, s.t_16, s.t_11, s.t_14) + mul(s.t_12, s.t_16, s.t_14))
+        return lin((1, mul(s.t_13, s.t_16, s.t_11), s.t_14), (1, (s.t_12 * s.t_16), s.t_14))
 
     @leaf
     def t_18(s):
@@ -2019,391 +1991,363 @@ class mse_causal1(Forward):
 
     @leaf
     def t_20(s):
-        return (1/math.sqrt(s.d_K)) * s.t_19
-
-    @leaf
-    def t_21(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19
-
-    @leaf
-    def t_22(s):
         return (-0.5 * (s.t_10 ** -1.5))
 
     @leaf
+    def t_21(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19, s.t_20, s.Y_2)
+
+    @leaf
+    def t_22(s):
+        return s.mm('t_21 one', s.t_21, s.one)
+
+    @leaf
     def t_23(s):
-        return mul(s.t_21, s.t_22, s.Y_2)
+        return lin((1/math.sqrt(s.d_K), s.t_19, s.R_N_2), (1, s.t_22, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
     def t_24(s):
-        return s.mm('t_23 one', s.t_23, s.one)
+        return softmax_diff(s.A1, s.mm("t_23 W_O1' W_V' N_1'", s.t_23, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_25(s):
-        return lin((1, s.t_20, s.R_N_2), (1, s.t_24, s.Y_2), (1/math.sqrt(s.d_K), s.G))
-
-    @leaf
-    def t_26(s):
-        return softmax_diff(s.A1, s.mm("t_25 W_O1' W_V' N_1'", s.t_25, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_27(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_28(s):
-        return s.mm("t_25 W_O1'", s.t_25, tr(s.W_O1))
+    def t_26(s):
+        return s.mm("t_23 W_O1'", s.t_23, tr(s.W_O1))
 
     @leaf
-    def t_29(s):
+    def t_27(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_30(s):
+    def t_28(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_31(s):
+    def t_29(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_32(s):
+    def t_30(s):
         return (s.t_12 * s.t_11)
 
     @leaf
-    def t_33(s):
+    def t_31(s):
         return tr(s.t_6)
 
     @leaf
-    def t_34(s):
-        return softmax_diff(s.A2, s.mm("t_25 W_O2' W_V' N_1'", s.t_25, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+    def t_32(s):
+        return softmax_diff(s.A2, s.mm("t_23 W_O2' W_V' N_1'", s.t_23, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_35(s):
+    def t_33(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
-    def t_36(s):
-        return s.mm("t_25 W_O2'", s.t_25, tr(s.W_O2))
+    def t_34(s):
+        return s.mm("t_23 W_O2'", s.t_23, tr(s.W_O2))
 
     @leaf
-    def t_37(s):
+    def t_35(s):
         return tr(s.t_7)
 
     @leaf
-    def t_38(s):
+    def t_36(s):
         return tr(s.t_8)
 
     @leaf
+    def t_37(s):
+        return mul((2/s.d_V) * s.t_19, s.t_20, s.Y_2)
+
+    @leaf
+    def t_38(s):
+        return s.mm('t_37 one', s.t_37, s.one)
+
+    @leaf
     def t_39(s):
-        return (2/s.d_V) * s.t_19
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_38, s.Y_2), (1, s.G))
 
     @leaf
     def t_40(s):
-        return mul(s.t_39, s.t_22, s.Y_2)
+        return s.mm("t_39 W_O1'", s.t_39, tr(s.W_O1))
 
     @leaf
     def t_41(s):
-        return s.mm('t_40 one', s.t_40, s.one)
+        return s.mm("t_39 W_O2'", s.t_39, tr(s.W_O2))
 
     @leaf
     def t_42(s):
-        return lin((1, s.t_19, s.R_N_2), (1, s.t_41, s.Y_2), (1, s.G))
+        return s.mm("A1' t_39", tr(s.A1), s.t_39)
 
     @leaf
     def t_43(s):
-        return s.mm("t_42 W_O1'", s.t_42, tr(s.W_O1))
+        return s.mm("A2' t_39", tr(s.A2), s.t_39)
 
     @leaf
     def t_44(s):
-        return s.mm("t_42 W_O2'", s.t_42, tr(s.W_O2))
+        return tr(s.t_27)
 
     @leaf
     def t_45(s):
-        return s.mm("A1' t_42", tr(s.A1), s.t_42)
-
-    @leaf
-    def t_46(s):
-        return s.mm("A2' t_42", tr(s.A2), s.t_42)
-
-    @leaf
-    def t_47(s):
         return tr(s.t_29)
 
     @leaf
-    def t_48(s):
-        return tr(s.t_31)
-
-    @leaf
-    def t_49(s):
+    def t_46(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
-    def t_50(s):
+    def t_47(s):
         return s.mm("t_15' t_15", tr(s.t_15), s.t_15)
 
     @leaf
-    def t_51(s):
-        return (s.t_22 * s.Y_2)
+    def t_48(s):
+        return (s.t_20 * s.Y_2)
 
     @leaf
-    def t_52(s):
+    def t_49(s):
         return mul(s.t_13, s.t_11, s.t_14)
 
     @leaf
-    def t_53(s):
+    def t_50(s):
         return (s.t_12 * s.t_14)
 
     @leaf
-    def t_54(s):
+    def t_51(s):
         return mul(((2.0 * s.t_12) - 1.0), (s.t_12 - 1.0), s.t_12)
 
     @leaf
-    def t_55(s):
-        return mul(s.t_54, s.t_16, s.t_11, s.t_14)
+    def t_52(s):
+        return mul(s.t_51, s.t_16, s.t_11, s.t_14)
 
     @leaf
-    def t_56(s):
+    def t_53(s):
         return mul(s.t_13, s.t_16, s.t_14)
 
     @leaf
-    def t_57(s):
+    def t_54(s):
         return mul(s.t_13, s.t_16, s.t_11)
 
     @leaf
-    def t_58(s):
+    def t_55(s):
         return (s.t_12 * s.t_16)
 
     @leaf
-    def t_59(s):
-        return (s.t_21 * s.t_22)
+    def t_56(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19 * s.t_20)
 
     @leaf
-    def t_60(s):
+    def t_57(s):
         return (0.75 * (s.t_10 ** -2.5))
 
     @leaf
+    def t_58(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19, s.t_57, s.Y_2)
+
+    @leaf
+    def t_59(s):
+        return bcast_last(s.t_22, s.d_V)
+
+    @leaf
+    def t_60(s):
+        return ((1/math.sqrt(s.d_K)) * s.t_19 * s.t_20)
+
+    @leaf
     def t_61(s):
-        return mul(s.t_21, s.t_60, s.Y_2)
+        return (1/math.sqrt(s.d_K)) * s.t_39
 
     @leaf
     def t_62(s):
-        return bcast_last(s.t_24, s.d_V)
+        return softmax_diff(s.A1, s.mm("t_61 W_O1' W_V' N_1'", s.t_61, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_63(s):
-        return (s.t_20 * s.t_22)
+        return ((2/s.d_V) * s.t_19 * s.t_20)
 
     @leaf
     def t_64(s):
-        return (1/math.sqrt(s.d_K)) * s.t_42
+        return mul((2/s.d_V) * s.t_19, s.t_57, s.Y_2)
 
     @leaf
     def t_65(s):
-        return softmax_diff(s.A1, s.mm("t_64 W_O1' W_V' N_1'", s.t_64, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        return bcast_last(s.t_38, s.d_V)
 
     @leaf
     def t_66(s):
-        return (s.t_39 * s.t_22)
+        return (s.t_19 * s.t_20)
 
     @leaf
     def t_67(s):
-        return mul(s.t_39, s.t_60, s.Y_2)
-
-    @leaf
-    def t_68(s):
-        return bcast_last(s.t_41, s.d_V)
-
-    @leaf
-    def t_69(s):
-        return (s.t_19 * s.t_22)
-
-    @leaf
-    def t_70(s):
-        return softmax_diff(s.A2, s.mm("t_64 W_O2' W_V' N_1'", s.t_64, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        return softmax_diff(s.A2, s.mm("t_61 W_O2' W_V' N_1'", s.t_61, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_71(s):
+    def t_68(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_69(s):
+        return (s.t_68 * s.t_68)
+
+    @leaf
+    def t_70(s):
+        return s.mm('one_2 t_69 one', s.one_2, s.t_69, s.one)
+
+    @leaf
+    def t_71(s):
+        return s.mm("t_24 t_2'", s.t_24, tr(s.t_2))
 
     @leaf
     def t_72(s):
-        return (s.t_71 * s.t_71)
+        return (s.t_71 * s.C)
 
     @leaf
     def t_73(s):
-        return s.mm('one_2 t_72 one', s.one_2, s.t_72, s.one)
+        return (s.t_71 * s.S)
 
     @leaf
     def t_74(s):
-        return s.mm("t_26 t_2'", s.t_26, tr(s.t_2))
+        return s.mm("t_32 t_2'", s.t_32, tr(s.t_2))
 
     @leaf
     def t_75(s):
-        return (s.t_74 * s.C)
-
-    @leaf
-    def t_76(s):
         return (s.t_74 * s.S)
 
     @leaf
+    def t_76(s):
+        return (s.t_74 * s.C)
+
+    @leaf
     def t_77(s):
-        return s.mm("t_34 t_2'", s.t_34, tr(s.t_2))
+        return s.mm("t_62' t_35'", tr(s.t_62), tr(s.t_35))
 
     @leaf
     def t_78(s):
-        return (s.t_77 * s.S)
+        return s.mm("t_67' t_36'", tr(s.t_67), tr(s.t_36))
 
     @leaf
     def t_79(s):
-        return (s.t_77 * s.C)
+        return (s.t_77 + s.t_78)
 
     @leaf
     def t_80(s):
-        return s.mm("t_65' t_37'", tr(s.t_65), tr(s.t_37))
+        return (s.t_79 * s.S)
 
     @leaf
     def t_81(s):
-        return s.mm("t_70' t_38'", tr(s.t_70), tr(s.t_38))
+        return (s.t_79 * s.C)
 
     @leaf
-    def t_82(s):
-        return (s.t_80 + s.t_81)
+    def t_88(s):
+        return (s.t_49 + s.t_50)
 
     @leaf
-    def t_83(s):
-        return (s.t_82 * s.S)
+    def t_108(s):
+        return s.mm("t_39 W_O1' W_V' N_1'", s.t_39, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_84(s):
-        return (s.t_82 * s.C)
+    def t_110(s):
+        return lin((1, s.t_52), (2, s.t_53))
 
     @leaf
-    def t_91(s):
-        return (s.t_52 + s.t_53)
+    def t_122(s):
+        return (s.t_54 + s.t_55)
 
     @leaf
-    def t_111(s):
-        return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_132(s):
+        return softmax_diff(s.A1, s.t_108)
 
     @leaf
-    def t_113(s):
-        return lin((1, s.t_55), (2, s.t_56))
+    def t_134(s):
+        return s.mm("t_39 W_O2' W_V' N_1'", s.t_39, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_125(s):
-        return (s.t_57 + s.t_58)
-
-    @leaf
-    def t_135(s):
-        return softmax_diff(s.A1, s.t_111)
-
-    @leaf
-    def t_137(s):
-        return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_139(s):
+        return softmax_diff(s.A2, s.t_134)
 
     @leaf
     def t_142(s):
-        return softmax_diff(s.A2, s.t_137)
-
-    @leaf
-    def t_145(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_150(s):
+    def t_147(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_151(s):
+    def t_148(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_149(s):
+        return lin((1, mul(s.t_13, s.t_148, s.t_11), s.t_14), (1, (s.t_12 * s.t_148), s.t_14))
+
+    @leaf
+    def t_150(s):
+        return s.mm("t_149 W_1'", s.t_149, tr(s.W_1))
+
+    @leaf
+    def t_151(s):
+        return mul(s.t_12, s.t_148, s.t_11)
+
+    @leaf
     def t_152(s):
-        return mul(s.t_13, s.t_151, s.t_11, s.t_14)
+        return s.mm("t_151 W_3'", s.t_151, tr(s.W_3))
 
     @leaf
     def t_153(s):
-        return mul(s.t_12, s.t_151, s.t_14)
+        return (s.t_150 + s.t_152)
 
     @leaf
     def t_154(s):
-        return (s.t_152 + s.t_153)
+        return mul((2/s.d_V) * s.t_153, s.t_20, s.Y_2)
 
     @leaf
     def t_155(s):
-        return s.mm("t_154 W_1'", s.t_154, tr(s.W_1))
+        return s.mm('t_154 one', s.t_154, s.one)
 
     @leaf
     def t_156(s):
-        return mul(s.t_12, s.t_151, s.t_11)
+        return lin((2/(s.L*s.d_V), s.t_147), (1, s.t_153, s.R_N_2), (1, s.t_155, s.Y_2))
 
     @leaf
     def t_157(s):
-        return s.mm("t_156 W_3'", s.t_156, tr(s.W_3))
+        return s.mm("t_156 W_O1' W_V' N_1'", s.t_156, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_158(s):
-        return (s.t_155 + s.t_157)
+    def t_172(s):
+        return lin((1, mul(s.t_51, s.t_148, s.t_11), s.t_14), (2, (s.t_13 * s.t_148), s.t_14))
 
     @leaf
-    def t_159(s):
-        return mul((2/s.d_V) * s.t_158, s.t_22, s.Y_2)
-
-    @leaf
-    def t_160(s):
-        return s.mm('t_159 one', s.t_159, s.one)
-
-    @leaf
-    def t_161(s):
-        return lin((2/(s.L*s.d_V), s.t_150), (1, s.t_158, s.R_N_2), (1, s.t_160, s.Y_2))
-
-    @leaf
-    def t_162(s):
-        return s.mm("t_161 W_O1' W_V' N_1'", s.t_161, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_177(s):
-        return lin((1, mul(s.t_54, s.t_151, s.t_11), s.t_14), (2, (s.t_13 * s.t_151), s.t_14))
+    def t_173(s):
+        return lin((1, (s.t_13 * s.t_148), s.t_11), (1, s.t_12, s.t_148))
 
     @leaf
     def t_178(s):
-        return mul(s.t_13, s.t_151, s.t_11)
+        return (s.t_153 * s.t_20)
 
     @leaf
     def t_179(s):
-        return (s.t_12 * s.t_151)
+        return ((2/s.d_V) * s.t_153 * s.t_20)
 
     @leaf
     def t_180(s):
-        return (s.t_178 + s.t_179)
-
-    @leaf
-    def t_185(s):
-        return (s.t_158 * s.t_22)
+        return mul((2/s.d_V) * s.t_153, s.t_57, s.Y_2)
 
     @leaf
     def t_186(s):
-        return ((2/s.d_V) * s.t_158 * s.t_22)
+        return softmax_diff(s.A1, s.t_157)
 
     @leaf
-    def t_187(s):
-        return mul((2/s.d_V) * s.t_158, s.t_60, s.Y_2)
+    def t_188(s):
+        return s.mm("t_156 W_O2' W_V' N_1'", s.t_156, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_193(s):
-        return softmax_diff(s.A1, s.t_162)
-
-    @leaf
-    def t_195(s):
-        return s.mm("t_161 W_O2' W_V' N_1'", s.t_161, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_200(s):
-        return softmax_diff(s.A2, s.t_195)
+        return softmax_diff(s.A2, s.t_188)
 
     @leaf
     def S_2(s):
@@ -2426,15 +2370,15 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_51),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_52),
-            net(1, 'nab->nab', s.t_53),
+            net(1, 'nab->nab', s.t_49),
+            net(1, 'nab->nab', s.t_50),
         ])
 
     @leaf
@@ -2442,7 +2386,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_30),
         ])
 
     @leaf
@@ -2450,7 +2394,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_30, s.W_3),
         ])
 
     @leaf
@@ -2458,7 +2402,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_51, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_48, ONES, s.Y_2),
         ])
 
     @leaf
@@ -2498,16 +2442,16 @@ class mse_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_55),
-            net(2, 'nab->nab', s.t_56),
+            net(1, 'nab->nab', s.t_52),
+            net(2, 'nab->nab', s.t_53),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_57),
-            net(1, 'nab->nab', s.t_58),
+            net(1, 'nab->nab', s.t_54),
+            net(1, 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -2530,17 +2474,17 @@ class mse_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_51, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_56, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_58, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_60, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -2549,9 +2493,9 @@ class mse_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_26, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_26),
+            net(1, 'nab,bc->nabc', s.t_24, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_24, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_24),
         ])
 
     @leaf
@@ -2614,16 +2558,16 @@ class mse_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_34, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_34, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_34),
+            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_32, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_32),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_31, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -2631,26 +2575,26 @@ class mse_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_65, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_65),
+            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_62, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_62),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_51, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_69, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
@@ -2659,9 +2603,9 @@ class mse_causal1(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_70, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_70),
+            net(1, 'nab,bc->nabc', s.t_67, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_67, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_67),
         ])
 
     @leaf
@@ -2669,7 +2613,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_51),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
@@ -2693,8 +2637,8 @@ class mse_causal1(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_52),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_53),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_49),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_50),
         ])
 
     @leaf
@@ -2748,7 +2692,7 @@ class mse_causal1(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_26, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_24, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -2767,34 +2711,34 @@ class mse_causal1(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_26),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_27),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_25),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_28, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_28, s.W_O1, s.S_17, s.t_27),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_29),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -2813,7 +2757,7 @@ class mse_causal1(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -2838,7 +2782,7 @@ class mse_causal1(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -2850,247 +2794,247 @@ class mse_causal1(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_34, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_32, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_35, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_35, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_33, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_33, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_34),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_27),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_27),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_29),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.t_25),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.W_O2, s.S_17, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_28, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_28, s.W_O2, s.S_17, s.t_29),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_37, s.d2A_3, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_4, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_35, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_36, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_27, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_27, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_35, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_35, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_25, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_25, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_33, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_33, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_41),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_9, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_9, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_9, s.t_27),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA, s.t_30, s.t_42),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_30, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_35, s.dA, s.t_28, s.t_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_28, s.W_O1, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_27),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_9, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_9, s.t_29),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_30, s.t_42),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_30, s.W_O2, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_28, s.t_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_28, s.W_O2, s.S_26, s.t_29),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -3126,31 +3070,31 @@ class mse_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_27),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_27),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_45, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_42, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_27),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_31),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_31),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_46, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_31),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_43, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -3172,8 +3116,8 @@ class mse_causal1(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_32, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -3202,119 +3146,119 @@ class mse_causal1(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_28, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_28, s.t_27),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_26, s.t_27),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_28, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_28, s.t_29),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_26, s.t_29),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_47, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_44, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_47, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_44, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_44, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_47, s.S_29, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_44, s.S_29, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_47, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_44, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_44, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_29, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_47, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_44, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_28, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_28, s.t_29),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_26, s.t_29),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_48, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_45, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_48, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_45, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_48, s.S_29, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_45, s.S_29, s.W_2, s.t_30, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_29, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_48, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_45, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_49, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_46, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -3326,7 +3270,7 @@ class mse_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_49, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_46, s.t_30, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -3350,25 +3294,25 @@ class mse_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_32, s.t_49, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_30, s.t_46, s.t_30, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_32, s.t_15, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_30, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_30, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_50, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_47, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q1(s):
@@ -3404,13 +3348,13 @@ class mse_causal1(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_27),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_31),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
         ]
 
     def jacobian__W_1(s):
@@ -3422,7 +3366,7 @@ class mse_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_30, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -3433,16 +3377,16 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_73, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_70, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_75", tr(s.N_1), s.t_75), (1, "N_1' t_76 R'", tr(s.N_1), s.t_76, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_78 R'", tr(s.N_1), s.t_78, tr(s.R)), (1, "N_1' t_79", tr(s.N_1), s.t_79), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_83 R'", tr(s.N_1), s.t_83, tr(s.R)), (1, "N_1' t_84", tr(s.N_1), s.t_84), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_42 W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_42", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_42, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_42", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_42, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_72", tr(s.N_1), s.t_72), (1, "N_1' t_73 R'", tr(s.N_1), s.t_73, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_75 R'", tr(s.N_1), s.t_75, tr(s.R)), (1, "N_1' t_76", tr(s.N_1), s.t_76), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_80 R'", tr(s.N_1), s.t_80, tr(s.R)), (1, "N_1' t_81", tr(s.N_1), s.t_81), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_39 W_O2'", tr(s.N_1), tr(s.A2), s.t_39, tr(s.W_O2)), (1, "N_1' A1' t_39 W_O1'", tr(s.N_1), tr(s.A1), s.t_39, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_39", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_39, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_39", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_39, mean=True)
         out_W_1 = s.mm("N_2' t_17", tr(s.N_2), s.t_17, mean=True)
         out_W_3 = s.mm("N_2' t_18", tr(s.N_2), s.t_18, mean=True)
         out_W_2 = s.mm("t_15' G", tr(s.t_15), s.G, mean=True)
@@ -3450,61 +3394,3485 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_85 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_86 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_87 = lin((1/math.sqrt(s.d_K), s.prod("t_37' @t_85", tr(s.t_37), t_85)), (1/math.sqrt(s.d_K), s.prod("@t_86 t_5'", t_86, tr(s.t_5))))
-        t_88 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_89 = lin((1/math.sqrt(s.d_K), s.prod("@t_88 t_5'", t_88, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_38' @t_85", tr(s.t_38), t_85)))
-        t_90 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_87), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_89), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_92 = lin((1, t_90, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_90 * s.Y_2), s.one), s.t_51))
-        t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
-        t_96 = (2/(s.L*s.d_V)) * s.mm("@t_95 W_2'", t_95, tr(s.W_2))
-        t_97 = (s.t_91 * t_96)
-        t_98 = (s.t_32 * t_96)
-        t_99 = lin((1, s.prod("@t_97 W_1'", t_97, tr(s.W_1))), (1, s.prod("@t_98 W_3'", t_98, tr(s.W_3))))
-        t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_51 * t_99), s.one), s.Y_2))
-        t_101 = softmax_diff(s.A1, s.mm("@t_100 W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_102 = s.mm("@t_101 t_2'", t_101, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), mean=True)
-        t_103 = softmax_diff(s.A2, s.mm("@t_100 W_O2' W_V' N_1'", t_100, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_104 = s.mm("@t_103 t_2'", t_103, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_104 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_104 * s.S), tr(s.R)), mean=True)
-        t_105 = lin((1, s.prod("@t_101' t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("@t_103' t_38'", tr(t_103), tr(s.t_38))))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_105 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_105 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_100 W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' @t_100 W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
-        out_W_1 = s.mm("N_2' @t_97", tr(s.N_2), t_97, mean=True)
-        out_W_3 = s.mm("N_2' @t_98", tr(s.N_2), t_98, mean=True)
-        t_106 = (2/(s.L*s.d_V)) * t_95
-        out_W_2 = s.mm("t_15' @t_106", tr(s.t_15), t_106, mean=True)
+        t_82 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_83 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_84 = lin((1/math.sqrt(s.d_K), s.prod("t_35' @t_82", tr(s.t_35), t_82)), (1/math.sqrt(s.d_K), s.prod("@t_83 t_5'", t_83, tr(s.t_5))))
+        t_85 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_86 = lin((1/math.sqrt(s.d_K), s.prod("@t_85 t_5'", t_85, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_36' @t_82", tr(s.t_36), t_82)))
+        t_87 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_84), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_86), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_89 = lin((1, t_87, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_87 * s.Y_2), s.one), s.t_48))
+        t_90 = lin((1, s.prod('@t_89 W_1', t_89, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_91 = lin((1, s.prod('@t_89 W_3', t_89, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_92 = lin((1, t_87), (1, s.prod('_ W_2', lin((1, s.t_88, t_90), (1, s.t_30, t_91)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_93 = (2/(s.L*s.d_V)) * s.mm("@t_92 W_2'", t_92, tr(s.W_2))
+        t_94 = (s.t_88 * t_93)
+        t_95 = (s.t_30 * t_93)
+        t_96 = lin((1, s.prod("@t_94 W_1'", t_94, tr(s.W_1))), (1, s.prod("@t_95 W_3'", t_95, tr(s.W_3))))
+        t_97 = lin((2/(s.L*s.d_V), t_92), (1, t_96, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_48 * t_96), s.one), s.Y_2))
+        t_98 = softmax_diff(s.A1, s.mm("@t_97 W_O1' W_V' N_1'", t_97, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_99 = s.mm("@t_98 t_2'", t_98, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_99 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_99 * s.C)), mean=True)
+        t_100 = softmax_diff(s.A2, s.mm("@t_97 W_O2' W_V' N_1'", t_97, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_101 = s.mm("@t_100 t_2'", t_100, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_101 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_101 * s.S), tr(s.R)), mean=True)
+        t_102 = lin((1, s.prod("@t_98' t_35'", tr(t_98), tr(s.t_35))), (1, s.prod("@t_100' t_36'", tr(t_100), tr(s.t_36))))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_97 W_O2'", tr(s.N_1), tr(s.A2), t_97, tr(s.W_O2)), (1, "N_1' A1' @t_97 W_O1'", tr(s.N_1), tr(s.A1), t_97, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' @t_97", tr(s.W_V), tr(s.N_1), tr(s.A1), t_97, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' @t_97", tr(s.W_V), tr(s.N_1), tr(s.A2), t_97, mean=True)
+        out_W_1 = s.mm("N_2' @t_94", tr(s.N_2), t_94, mean=True)
+        out_W_3 = s.mm("N_2' @t_95", tr(s.N_2), t_95, mean=True)
+        t_103 = (2/(s.L*s.d_V)) * t_92
+        out_W_2 = s.mm("t_15' @t_103", tr(s.t_15), t_103, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_107 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_108 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_109 = lin((1, s.prod("t_37' @t_107", tr(s.t_37), t_107)), (1, s.prod("@t_108 t_5'", t_108, tr(s.t_5))))
+        t_104 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_105 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_106 = lin((1, s.prod("t_35' @t_104", tr(s.t_35), t_104)), (1, s.prod("@t_105 t_5'", t_105, tr(s.t_5))))
+        t_107 = (1/math.sqrt(s.d_K)) * t_106
+        t_109 = softmax_diff2(s.A1, t_107, s.t_108)
+        t_111 = softmax_diff(s.A1, t_107)
+        t_112 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_113 = lin((1, s.prod("@t_112 t_5'", t_112, tr(s.t_5))), (1, s.prod("t_36' @t_104", tr(s.t_36), t_104)))
+        t_114 = (1/math.sqrt(s.d_K)) * t_113
+        t_115 = softmax_diff(s.A2, t_114)
+        t_116 = lin((1, s.mm_sum('r', (1, '@t_111 N_1 W_V W_O1', t_111, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_115 N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
+        t_118 = (t_117 * s.t_48)
+        t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
+        t_120 = lin((1, s.prod('@t_119 W_1', t_119, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_121 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_123 = lin((1, s.prod('@t_119 W_3', t_119, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_124 = lin((1, s.t_110, t_120), (1, s.t_88, t_121), (1, s.t_122, t_123))
+        t_125 = lin((1, s.t_122, t_120), (1, s.t_30, t_121))
+        t_126 = lin((1, s.prod("@t_124 W_1'", t_124, tr(s.W_1))), (1, s.prod("@t_125 W_3'", t_125, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
+        t_127 = lin((1, s.t_63, t_116), (2/s.d_V, s.t_48, t_126), (2/s.d_V, t_117, s.t_64))
+        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_66), (1, s.t_38, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
+        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 @V_W_O1' W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' @V_W_V' N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_130 = softmax_diff(s.A1, t_129)
+        t_131 = (t_109 + t_130)
+        t_133 = lin((1, s.prod("@t_131 t_2'", t_131, tr(s.t_2))), (1, s.prod("t_132 @t_104'", s.t_132, tr(t_104))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), mean=True)
+        t_135 = softmax_diff2(s.A2, t_114, s.t_134)
+        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 @V_W_O2' W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' @V_W_V' N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_137 = softmax_diff(s.A2, t_136)
+        t_138 = (t_135 + t_137)
+        t_140 = lin((1, s.prod("@t_138 t_2'", t_138, tr(s.t_2))), (1, s.prod("t_139 @t_104'", s.t_139, tr(t_104))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), mean=True)
+        t_141 = lin((1, s.prod("@t_131' t_35'", tr(t_131), tr(s.t_35))), (1, s.prod("@t_138' t_36'", tr(t_138), tr(s.t_36))), (1, s.prod("t_132' @t_105", tr(s.t_132), t_105)), (1, s.prod("t_139' @t_112", tr(s.t_139), t_112)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_141 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_39 W_O2'", tr(s.N_1), tr(t_115), s.t_39, tr(s.W_O2)), (1, "N_1' A1' t_39 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_39, tr(V_W_O1)), (1, "N_1' @t_111' t_39 W_O1'", tr(s.N_1), tr(t_111), s.t_39, tr(s.W_O1)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A2' t_39 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_39, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_39", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_39), (1, "W_V' N_1' @t_111' t_39", tr(s.W_V), tr(s.N_1), tr(t_111), s.t_39), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_39", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_39), (1, "W_V' N_1' @t_115' t_39", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_39), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
+        out_W_1 = (s.mm("@t_119' t_17", tr(t_119), s.t_17, mean=True) + s.mm("N_2' @t_124", tr(s.N_2), t_124, mean=True))
+        out_W_3 = (s.mm("@t_119' t_18", tr(t_119), s.t_18, mean=True) + s.mm("N_2' @t_125", tr(s.N_2), t_125, mean=True))
+        out_W_2 = s.mm('_ G', lin((1, tr(s.t_88), tr(t_120)), (1, s.t_142, tr(t_123))), s.G, mean=True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_143 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_144 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_145 = lin((1, s.prod("t_35' @t_143", tr(s.t_35), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
+        t_146 = (1/math.sqrt(s.d_K)) * t_145
+        t_158 = softmax_diff2(s.A1, t_146, s.t_157)
+        t_159 = softmax_diff(s.A1, t_146)
+        t_160 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_161 = lin((1, s.prod("@t_160 t_5'", t_160, tr(s.t_5))), (1, s.prod("t_36' @t_143", tr(s.t_36), t_143)))
+        t_162 = (1/math.sqrt(s.d_K)) * t_161
+        t_163 = softmax_diff(s.A2, t_162)
+        t_164 = lin((1, s.mm_sum('r', (1, '@t_159 N_1 W_V W_O1', t_159, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_163 N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
+        t_166 = (t_165 * s.t_48)
+        t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
+        t_168 = lin((1, s.prod('@t_167 W_1', t_167, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_169 = lin((1, s.prod('@t_167 W_3', t_167, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_170 = lin((1, s.t_88, t_168), (1, s.t_30, t_169))
+        t_171 = lin((1, t_164), (1, s.prod('@t_170 W_2', t_170, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_174 = lin((2/(s.L*s.d_V), s.prod("@t_171 W_2'", t_171, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
+        t_175 = lin((1, s.t_172, t_168), (1, s.t_173, t_169), (1, s.t_88, t_174))
+        t_176 = lin((1, s.t_173, t_168), (1, s.t_30, t_174))
+        t_177 = lin((1, s.prod("@t_175 W_1'", t_175, tr(s.W_1))), (1, s.prod("@t_176 W_3'", t_176, tr(s.W_3))), (1, s.prod("t_149 @V_W_1'", s.t_149, tr(V_W_1))), (1, s.prod("t_151 @V_W_3'", s.t_151, tr(V_W_3))))
+        t_181 = lin((1, s.t_179, t_164), (2/s.d_V, s.t_48, t_177), (2/s.d_V, t_165, s.t_180))
+        t_182 = lin((2/(s.L*s.d_V), t_171), (1, t_177, s.R_N_2), (2/s.d_V, t_165, s.t_178), (1, s.t_155, t_164), (1, s.mm('@t_181 one', t_181, s.one), s.Y_2))
+        t_183 = s.mm_sum('r', (1, "@t_182 W_O1' W_V' N_1'", t_182, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_156 @V_W_O1' W_V' N_1'", s.t_156, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_156 W_O1' @V_W_V' N_1'", s.t_156, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_184 = softmax_diff(s.A1, t_183)
+        t_185 = (t_158 + t_184)
+        t_187 = lin((1, s.prod("@t_185 t_2'", t_185, tr(s.t_2))), (1, s.prod("t_186 @t_143'", s.t_186, tr(t_143))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_187 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_187 * s.C)), mean=True)
+        t_189 = softmax_diff2(s.A2, t_162, s.t_188)
+        t_190 = s.mm_sum('r', (1, "@t_182 W_O2' W_V' N_1'", t_182, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_156 W_O2' @V_W_V' N_1'", s.t_156, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_156 @V_W_O2' W_V' N_1'", s.t_156, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_191 = softmax_diff(s.A2, t_190)
+        t_192 = (t_189 + t_191)
+        t_194 = lin((1, s.prod("@t_192 t_2'", t_192, tr(s.t_2))), (1, s.prod("t_193 @t_143'", s.t_193, tr(t_143))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_194 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_194 * s.S), tr(s.R)), mean=True)
+        t_195 = lin((1, s.prod("@t_185' t_35'", tr(t_185), tr(s.t_35))), (1, s.prod("@t_192' t_36'", tr(t_192), tr(s.t_36))), (1, s.prod("t_186' @t_144", tr(s.t_186), t_144)), (1, s.prod("t_193' @t_160", tr(s.t_193), t_160)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_159' t_156 W_O1'", tr(s.N_1), tr(t_159), s.t_156, tr(s.W_O1)), (1, "N_1' A1' t_156 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_156, tr(V_W_O1)), (1, "N_1' A2' @t_182 W_O2'", tr(s.N_1), tr(s.A2), t_182, tr(s.W_O2)), (1, "N_1' A2' t_156 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_156, tr(V_W_O2)), (1, "N_1' @t_163' t_156 W_O2'", tr(s.N_1), tr(t_163), s.t_156, tr(s.W_O2)), (1, "N_1' A1' @t_182 W_O1'", tr(s.N_1), tr(s.A1), t_182, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_156", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_156), (1, "W_V' N_1' @t_159' t_156", tr(s.W_V), tr(s.N_1), tr(t_159), s.t_156), mean=True)), (1, s.mm("W_V' N_1' A1' @t_182", tr(s.W_V), tr(s.N_1), tr(s.A1), t_182, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_156", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_156), (1, "W_V' N_1' @t_163' t_156", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_156), mean=True)), (1, s.mm("W_V' N_1' A2' @t_182", tr(s.W_V), tr(s.N_1), tr(s.A2), t_182, mean=True)))
+        out_W_1 = (s.mm("@t_167' t_149", tr(t_167), s.t_149, mean=True) + s.mm("N_2' @t_175", tr(s.N_2), t_175, mean=True))
+        out_W_3 = (s.mm("@t_167' t_151", tr(t_167), s.t_151, mean=True) + s.mm("N_2' @t_176", tr(s.N_2), t_176, mean=True))
+        t_196 = (2/(s.L*s.d_V)) * t_171
+        out_W_2 = (s.mm("@t_170' G", tr(t_170), s.G, mean=True) + s.mm("t_15' @t_196", tr(s.t_15), t_196, mean=True))
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+
+class ce_causal0(Forward):
+    """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
+
+    PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
+    STAMP = "d0dc5c526627bcc528c574f1"
+    RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_O1 t_159'": 2,
+        "@V_W_O1 t_42'": 2,
+        "@V_W_O1' W_V'": 2,
+        "@V_W_O1' W_V' N_1'": 2,
+        "@V_W_O2 t_159'": 2,
+        "@V_W_O2 t_42'": 2,
+        "@V_W_O2' W_V'": 2,
+        "@V_W_O2' W_V' N_1'": 2,
+        "@V_W_Q1' N_1'": 2,
+        "@V_W_Q2' N_1'": 2,
+        '@V_W_V W_O1': 2,
+        '@V_W_V W_O2': 2,
+        "@V_W_V' N_1'": 6,
+        "@V_W_V' N_1' A1'": 2,
+        "@V_W_V' N_1' A2'": 2,
+        "@t_101 W_O1'": 2,
+        "@t_101 W_O2'": 2,
+        "@t_101' A1": 2,
+        "@t_101' A1 N_1": 2,
+        "@t_101' A2": 2,
+        "@t_101' A2 N_1": 2,
+        '@t_114 N_1': 3,
+        '@t_114 N_1 W_V': 2,
+        "@t_114' t_42": 2,
+        '@t_118 N_1': 3,
+        '@t_118 N_1 W_V': 2,
+        "@t_118' t_42": 2,
+        "@t_131 W_O1'": 2,
+        "@t_131 W_O2'": 2,
+        "@t_131' A1": 2,
+        "@t_131' A1 N_1": 2,
+        "@t_131' A2": 2,
+        "@t_131' A2 N_1": 2,
+        '@t_163 N_1': 3,
+        '@t_163 N_1 W_V': 2,
+        "@t_163' t_159": 2,
+        '@t_167 N_1': 3,
+        '@t_167 N_1 W_V': 2,
+        "@t_167' t_159": 2,
+        "@t_186 W_O1'": 2,
+        "@t_186 W_O2'": 2,
+        "@t_186' A1": 2,
+        "@t_186' A1 N_1": 2,
+        "@t_186' A2": 2,
+        "@t_186' A2 N_1": 2,
+        'A1 N_1': 20,
+        'A1 N_1 W_V': 9,
+        "A1' t_159": 2,
+        "A1' t_42": 5,
+        'A2 N_1': 20,
+        'A2 N_1 W_V': 9,
+        "A2' t_159": 2,
+        "A2' t_42": 5,
+        "G W_2'": 2,
+        'N_1 @V_W_V W_O1': 2,
+        'N_1 @V_W_V W_O2': 2,
+        'N_1 W_K': 2,
+        'N_1 W_Q1': 2,
+        'N_1 W_Q2': 2,
+        'N_1 W_V': 49,
+        'N_1 W_V W_O1': 12,
+        'N_1 W_V W_O2': 12,
+        "N_1' @t_114' t_42": 2,
+        "N_1' @t_118' t_42": 2,
+        "N_1' @t_163' t_159": 2,
+        "N_1' @t_167' t_159": 2,
+        "N_1' A1' t_159": 2,
+        "N_1' A1' t_42": 4,
+        "N_1' A2' t_159": 2,
+        "N_1' A2' t_42": 4,
+        "W_O1 t_159'": 3,
+        "W_O1 t_26'": 2,
+        "W_O1 t_42'": 5,
+        "W_O1' W_V'": 13,
+        "W_O2 t_159'": 3,
+        "W_O2 t_26'": 2,
+        "W_O2 t_42'": 5,
+        "W_O2' W_V'": 13,
+    }
+
+    @leaf
+    def t(s):
+        return (s.X * s.X)
+
+    @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def ms_N_1(s):
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
+
+    @leaf
+    def R_N_1(s):
+        return ((lin((1, s.ms_N_1), (1/1000000, ones((s.L, s.d_V), s.like)))) ** -0.5)
+
+    @leaf
+    def N_1(s):
+        return (s.R_N_1 * s.X)
+
+    @leaf
+    def t_2(s):
+        return lin((1, s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)), tr(s.C)))
+
+    @leaf
+    def t_3(s):
+        return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
+
+    @leaf
+    def t_4(s):
+        return s.mm('Y one', s.Y, s.one)
+
+    @leaf
+    def t_5(s):
+        return bcast_last(s.t_4, s.d_V)
+
+    @leaf
+    def t_6(s):
+        return tr(s.t_3)
+
+    @leaf
+    def t_7(s):
+        return tr(s.t_2)
+
+    @leaf
+    def t_8(s):
+        return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_9(s):
+        return lin((1, s.mm('N_1 W_Q1', s.N_1, s.W_Q1), s.C), (1, s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R), s.S))
+
+    @leaf
+    def t_10(s):
+        return lin((1, s.mm('N_1 W_Q2', s.N_1, s.W_Q2), s.C), (1, s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R), s.S))
+
+    @leaf
+    def T1(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("t_9 t_7'", s.t_9, tr(s.t_7))
+
+    @leaf
+    def A1(s):
+        return softmax_rows(s.T1)
+
+    @leaf
+    def T2(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("t_10 t_7'", s.t_10, tr(s.t_7))
+
+    @leaf
+    def A2(s):
+        return softmax_rows(s.T2)
+
+    @leaf
+    def Y_2(s):
+        return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
+
+    @leaf
+    def t_11(s):
+        return (s.Y_2 * s.Y_2)
+
+    @leaf
+    def ms_N_2(s):
+        return (1/s.d_V) * s.mm('t_11 one', s.t_11, s.one)
+
+    @leaf
+    def t_12(s):
+        return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
+
+    @leaf
+    def R_N_2(s):
+        return (s.t_12 ** -0.5)
+
+    @leaf
+    def N_2(s):
+        return (s.R_N_2 * s.Y_2)
+
+    @leaf
+    def t_13(s):
+        return s.mm('N_2 W_1', s.N_2, s.W_1)
+
+    @leaf
+    def t_14(s):
+        return sigmoid(s.t_13)
+
+    @leaf
+    def t_15(s):
+        return ((1.0 - s.t_14) * s.t_14)
+
+    @leaf
+    def t_16(s):
+        return s.mm('N_2 W_3', s.N_2, s.W_3)
+
+    @leaf
+    def t_17(s):
+        return mul(s.t_14, s.t_13, s.t_16)
+
+    @leaf
+    def F(s):
+        return (s.mm('t_17 W_2', s.t_17, s.W_2) + s.Y_2)
+
+    @leaf
+    def t_18(s):
+        return softmax_rows(s.F)
+
+    @leaf
+    def G(s):
+        return lin((1/s.L, s.t_4, s.t_18), (-1/s.L, s.Y))
+
+    @leaf
+    def t_19(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_20(s):
+        return lin((1, mul(s.t_15, s.t_19, s.t_13), s.t_16), (1, (s.t_14 * s.t_19), s.t_16))
+
+    @leaf
+    def t_21(s):
+        return mul(s.t_14, s.t_19, s.t_13)
+
+    @leaf
+    def t_22(s):
+        return (s.mm("t_20 W_1'", s.t_20, tr(s.W_1)) + s.mm("t_21 W_3'", s.t_21, tr(s.W_3)))
+
+    @leaf
+    def t_23(s):
+        return (-0.5 * (s.t_12 ** -1.5))
+
+    @leaf
+    def t_24(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22, s.t_23, s.Y_2)
+
+    @leaf
+    def t_25(s):
+        return s.mm('t_24 one', s.t_24, s.one)
+
+    @leaf
+    def t_26(s):
+        return lin((1/math.sqrt(s.d_K), s.t_22, s.R_N_2), (1, s.t_25, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+
+    @leaf
+    def t_27(s):
+        return softmax_diff(s.A1, s.mm("t_26 W_O1' W_V' N_1'", s.t_26, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_28(s):
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+
+    @leaf
+    def t_29(s):
+        return s.mm("t_26 W_O1'", s.t_26, tr(s.W_O1))
+
+    @leaf
+    def t_30(s):
+        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
+
+    @leaf
+    def t_31(s):
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
+
+    @leaf
+    def t_32(s):
+        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
+
+    @leaf
+    def t_33(s):
+        return (s.t_14 * s.t_13)
+
+    @leaf
+    def t_34(s):
+        return tr(s.t_8)
+
+    @leaf
+    def t_35(s):
+        return softmax_diff(s.A2, s.mm("t_26 W_O2' W_V' N_1'", s.t_26, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_36(s):
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
+
+    @leaf
+    def t_37(s):
+        return s.mm("t_26 W_O2'", s.t_26, tr(s.W_O2))
+
+    @leaf
+    def t_38(s):
+        return tr(s.t_9)
+
+    @leaf
+    def t_39(s):
+        return tr(s.t_10)
+
+    @leaf
+    def t_40(s):
+        return mul((2/s.d_V) * s.t_22, s.t_23, s.Y_2)
+
+    @leaf
+    def t_41(s):
+        return s.mm('t_40 one', s.t_40, s.one)
+
+    @leaf
+    def t_42(s):
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_41, s.Y_2), (1, s.G))
+
+    @leaf
+    def t_43(s):
+        return s.mm("t_42 W_O1'", s.t_42, tr(s.W_O1))
+
+    @leaf
+    def t_44(s):
+        return s.mm("t_42 W_O2'", s.t_42, tr(s.W_O2))
+
+    @leaf
+    def t_45(s):
+        return s.mm("A1' t_42", tr(s.A1), s.t_42)
+
+    @leaf
+    def t_46(s):
+        return s.mm("A2' t_42", tr(s.A2), s.t_42)
+
+    @leaf
+    def t_47(s):
+        return tr(s.t_30)
+
+    @leaf
+    def t_48(s):
+        return tr(s.t_32)
+
+    @leaf
+    def t_49(s):
+        return tr(s.t_17)
+
+    @leaf
+    def t_50(s):
+        return (s.t_23 * s.Y_2)
+
+    @leaf
+    def t_51(s):
+        return mul(s.t_15, s.t_13, s.t_16)
+
+    @leaf
+    def t_52(s):
+        return (s.t_14 * s.t_16)
+
+    @leaf
+    def t_53(s):
+        return softmax_rows(s.F)
+
+    @leaf
+    def t_54(s):
+        return mul(((2.0 * s.t_14) - 1.0), (s.t_14 - 1.0), s.t_14)
+
+    @leaf
+    def t_55(s):
+        return mul(s.t_54, s.t_19, s.t_13, s.t_16)
+
+    @leaf
+    def t_56(s):
+        return mul(s.t_15, s.t_19, s.t_16)
+
+    @leaf
+    def t_57(s):
+        return mul(s.t_15, s.t_19, s.t_13)
+
+    @leaf
+    def t_58(s):
+        return (s.t_14 * s.t_19)
+
+    @leaf
+    def t_59(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22 * s.t_23)
+
+    @leaf
+    def t_60(s):
+        return (0.75 * (s.t_12 ** -2.5))
+
+    @leaf
+    def t_61(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22, s.t_60, s.Y_2)
+
+    @leaf
+    def t_62(s):
+        return bcast_last(s.t_25, s.d_V)
+
+    @leaf
+    def t_63(s):
+        return ((1/math.sqrt(s.d_K)) * s.t_22 * s.t_23)
+
+    @leaf
+    def t_64(s):
+        return (1/math.sqrt(s.d_K)) * s.t_42
+
+    @leaf
+    def t_65(s):
+        return softmax_diff(s.A1, s.mm("t_64 W_O1' W_V' N_1'", s.t_64, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_66(s):
+        return ((2/s.d_V) * s.t_22 * s.t_23)
+
+    @leaf
+    def t_67(s):
+        return mul((2/s.d_V) * s.t_22, s.t_60, s.Y_2)
+
+    @leaf
+    def t_68(s):
+        return bcast_last(s.t_41, s.d_V)
+
+    @leaf
+    def t_69(s):
+        return (s.t_22 * s.t_23)
+
+    @leaf
+    def t_70(s):
+        return softmax_diff(s.A2, s.mm("t_64 W_O2' W_V' N_1'", s.t_64, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
+    def t_71(s):
+        return log_softmax_rows(s.F)
+
+    @leaf
+    def t_72(s):
+        return (s.t_71 * s.Y)
+
+    @leaf
+    def t_73(s):
+        return s.mm('one_2 t_72 one', s.one_2, s.t_72, s.one)
+
+    @leaf
+    def t_74(s):
+        return s.mm("t_27 t_2'", s.t_27, tr(s.t_2))
+
+    @leaf
+    def t_75(s):
+        return (s.t_74 * s.C)
+
+    @leaf
+    def t_76(s):
+        return (s.t_74 * s.S)
+
+    @leaf
+    def t_77(s):
+        return s.mm("t_35 t_2'", s.t_35, tr(s.t_2))
+
+    @leaf
+    def t_78(s):
+        return (s.t_77 * s.C)
+
+    @leaf
+    def t_79(s):
+        return (s.t_77 * s.S)
+
+    @leaf
+    def t_80(s):
+        return s.mm("t_65' t_38'", tr(s.t_65), tr(s.t_38))
+
+    @leaf
+    def t_81(s):
+        return s.mm("t_70' t_39'", tr(s.t_70), tr(s.t_39))
+
+    @leaf
+    def t_82(s):
+        return (s.t_80 + s.t_81)
+
+    @leaf
+    def t_83(s):
+        return (s.t_82 * s.S)
+
+    @leaf
+    def t_84(s):
+        return (s.t_82 * s.C)
+
+    @leaf
+    def t_85(s):
+        return (s.t_51 + s.t_52)
+
+    @leaf
+    def t_111(s):
+        return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_113(s):
+        return lin((1, s.t_55), (2, s.t_56))
+
+    @leaf
+    def t_124(s):
+        return (s.t_57 + s.t_58)
+
+    @leaf
+    def t_135(s):
+        return softmax_diff(s.A1, s.t_111)
+
+    @leaf
+    def t_137(s):
+        return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_142(s):
+        return softmax_diff(s.A2, s.t_137)
+
+    @leaf
+    def t_145(s):
+        return (tr(s.t_14) * tr(s.t_13))
+
+    @leaf
+    def t_150(s):
+        return lin((1, s.t_4, s.t_18), (-1, s.Y))
+
+    @leaf
+    def t_151(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_152(s):
+        return lin((1, mul(s.t_15, s.t_151, s.t_13), s.t_16), (1, (s.t_14 * s.t_151), s.t_16))
+
+    @leaf
+    def t_153(s):
+        return s.mm("t_152 W_1'", s.t_152, tr(s.W_1))
+
+    @leaf
+    def t_154(s):
+        return mul(s.t_14, s.t_151, s.t_13)
+
+    @leaf
+    def t_155(s):
+        return s.mm("t_154 W_3'", s.t_154, tr(s.W_3))
+
+    @leaf
+    def t_156(s):
+        return (s.t_153 + s.t_155)
+
+    @leaf
+    def t_157(s):
+        return mul((2/s.d_V) * s.t_156, s.t_23, s.Y_2)
+
+    @leaf
+    def t_158(s):
+        return s.mm('t_157 one', s.t_157, s.one)
+
+    @leaf
+    def t_159(s):
+        return lin((1/s.L, s.t_150), (1, s.t_156, s.R_N_2), (1, s.t_158, s.Y_2))
+
+    @leaf
+    def t_160(s):
+        return s.mm("t_159 W_O1' W_V' N_1'", s.t_159, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_162(s):
+        return lin((1, mul(s.t_54, s.t_151, s.t_13), s.t_16), (2, (s.t_15 * s.t_151), s.t_16))
+
+    @leaf
+    def t_178(s):
+        return lin((1, (s.t_15 * s.t_151), s.t_13), (1, s.t_14, s.t_151))
+
+    @leaf
+    def t_182(s):
+        return (s.t_156 * s.t_23)
+
+    @leaf
+    def t_183(s):
+        return ((2/s.d_V) * s.t_156 * s.t_23)
+
+    @leaf
+    def t_184(s):
+        return mul((2/s.d_V) * s.t_156, s.t_60, s.Y_2)
+
+    @leaf
+    def t_190(s):
+        return softmax_diff(s.A1, s.t_160)
+
+    @leaf
+    def t_192(s):
+        return s.mm("t_159 W_O2' W_V' N_1'", s.t_159, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_197(s):
+        return softmax_diff(s.A2, s.t_192)
+
+    @leaf
+    def S_2(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_2', [
+            net(1/(s.L*s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/(s.L*s.d_K), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def dA(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA', [
+            net(1, 'nab,bc->nabc', s.A1, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.A1, s.A1),
+        ])
+
+    @leaf
+    def S_3(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_3', [
+            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_50),
+        ])
+
+    @leaf
+    def S_4(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_4', [
+            net(1, 'nab->nab', s.t_51),
+            net(1, 'nab->nab', s.t_52),
+        ])
+
+    @leaf
+    def S_5(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_5', [
+            net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_33),
+        ])
+
+    @leaf
+    def S_6(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_6', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nacd,de->nabe', s.S_3, s.S_5, s.W_2),
+        ])
+
+    @leaf
+    def dA_2(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA_2', [
+            net(1, 'nab,bc->nabc', s.t_53, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_53, s.t_53),
+        ])
+
+    @leaf
+    def S_7(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_7', [
+            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
+            net(1, 'nab,cb->nabc', s.t_33, s.W_3),
+        ])
+
+    @leaf
+    def S_8(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_8', [
+            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_50, ONES, s.Y_2),
+        ])
+
+    @leaf
+    def S_9(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_9', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
+        ])
+
+    @leaf
+    def S_10(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_10', [
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->abc', s.S, s.R),
+        ])
+
+    @leaf
+    def S_11(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_11', [
+            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_12(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_12', [
+            net(1, 'nab->nab', s.t_55),
+            net(2, 'nab->nab', s.t_56),
+        ])
+
+    @leaf
+    def S_13(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_13', [
+            net(1, 'nab->nab', s.t_57),
+            net(1, 'nab->nab', s.t_58),
+        ])
+
+    @leaf
+    def S_14(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_14', [
+            net(1, 'nab,cb->nabc', s.S_12, s.W_1),
+            net(1, 'nab,cb->nabc', s.S_13, s.W_3),
+        ])
+
+    @leaf
+    def S_15(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_15', [
+            net(1, 'ab,ncbd->ncad', s.W_1, s.S_14),
+            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_13, s.W_1),
+        ])
+
+    @leaf
+    def S_16(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_16', [
+            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_50, s.S_15, s.S_8),
+        ])
+
+    @leaf
+    def S_17(s):
+        """A sum as a compact tensor (4 networks)."""
+        return Compact('S_17', [
+            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
+            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
+        ])
+
+    @leaf
+    def d2A(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A', [
+            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_27, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_27),
+        ])
+
+    @leaf
+    def S_18(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_18', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_6, s.dA),
+            net(1, 'nabc->nabc', s.d2A),
+        ])
+
+    @leaf
+    def dA_3(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA_3', [
+            net(1, 'nab,bc->nabc', s.A2, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.A2, s.A2),
+        ])
+
+    @leaf
+    def S_19(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_19', [
+            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->bac', s.S, s.R),
+        ])
+
+    @leaf
+    def S_20(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_20', [
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_21', [
+            net(1/(s.L*math.sqrt(s.d_K)), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/(s.L*math.sqrt(s.d_K)), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_22(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_22', [
+            net(1, 'ab,ncb->ncab', s.W_1, s.S_12),
+            net(1, 'ab,ncb->ncab', s.W_3, s.S_13),
+        ])
+
+    @leaf
+    def d2A_2(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_2', [
+            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_35, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_35),
+        ])
+
+    @leaf
+    def S_23(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_23', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_34, s.S_17, s.t_8, s.dA_3),
+            net(1, 'nabc->nabc', s.d2A_2),
+        ])
+
+    @leaf
+    def d2A_3(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_3', [
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_65, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_65),
+        ])
+
+    @leaf
+    def S_24(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_24', [
+            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_50, s.S_15, s.S_8),
+        ])
+
+    @leaf
+    def S_25(s):
+        """A sum as a compact tensor (4 networks)."""
+        return Compact('S_25', [
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_69, ONES, s.Y_2),
+            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
+        ])
+
+    @leaf
+    def d2A_4(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_4', [
+            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_70, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_70),
+        ])
+
+    @leaf
+    def S_26(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_26', [
+            net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_50),
+        ])
+
+    @leaf
+    def S_27(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_27', [
+            net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nacd,de->nabe', s.S_26, s.S_5, s.W_2),
+        ])
+
+    @leaf
+    def S_28(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_28', [
+            net(1/s.L, 'nab->nab', s.t_51),
+            net(1/s.L, 'nab->nab', s.t_52),
+        ])
+
+    @leaf
+    def S_29(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_29', [
+            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
+        ])
+
+    def block__W_Q1__W_Q1__outer(s):
+        """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q1__functional(s):
+        """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q2__outer(s):
+        """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q2__functional(s):
+        """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_K__outer(s):
+        """H_o(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def block__W_Q1__W_K__functional(s):
+        """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_27, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_V__outer(s):
+        """H_o(W_Q1, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_Q1__W_V__functional(s):
+        """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_29),
+        ]
+
+    def block__W_Q1__W_O1__outer(s):
+        """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_Q1__W_O1__functional(s):
+        """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.W_O1, s.S_17, s.t_30),
+        ]
+
+    def block__W_Q1__W_O2__outer(s):
+        """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_Q1__W_O2__functional(s):
+        """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_32),
+        ]
+
+    def block__W_Q1__W_1__outer(s):
+        """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_Q1__W_1__functional(s):
+        """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_Q1__W_3__outer(s):
+        """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_Q1__W_3__functional(s):
+        """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_Q1__W_2__outer(s):
+        """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_Q1__W_2__functional(s):
+        """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_Q2__W_Q2__outer(s):
+        """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_Q2__functional(s):
+        """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_23, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_K__outer(s):
+        """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def block__W_Q2__W_K__functional(s):
+        """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_35, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_V__outer(s):
+        """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_Q2__W_V__functional(s):
+        """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_36, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_36, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_37),
+        ]
+
+    def block__W_Q2__W_O1__outer(s):
+        """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_Q2__W_O1__functional(s):
+        """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_30),
+        ]
+
+    def block__W_Q2__W_O2__outer(s):
+        """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_Q2__W_O2__functional(s):
+        """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_31, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_31, s.W_O2, s.S_17, s.t_32),
+        ]
+
+    def block__W_Q2__W_1__outer(s):
+        """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_Q2__W_1__functional(s):
+        """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_Q2__W_3__outer(s):
+        """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_Q2__W_3__functional(s):
+        """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_Q2__W_2__outer(s):
+        """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_Q2__W_2__functional(s):
+        """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_K__W_K__outer(s):
+        """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def block__W_K__W_K__functional(s):
+        """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def block__W_K__W_V__outer(s):
+        """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_K__W_V__functional(s):
+        """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_28, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_28, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_36, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_36, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_44),
+        ]
+
+    def block__W_K__W_O1__outer(s):
+        """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_K__W_O1__functional(s):
+        """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.t_31, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_31, s.W_O1, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_30),
+        ]
+
+    def block__W_K__W_O2__outer(s):
+        """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_K__W_O2__functional(s):
+        """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_31, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_31, s.W_O2, s.S_25, s.t_32),
+        ]
+
+    def block__W_K__W_1__outer(s):
+        """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_K__W_1__functional(s):
+        """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_K__W_3__outer(s):
+        """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_K__W_3__functional(s):
+        """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_K__W_2__outer(s):
+        """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_K__W_2__functional(s):
+        """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_V__W_V__outer(s):
+        """H_o(W_V, W_V): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_V__W_V__functional(s):
+        """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_25, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_V__W_O1__outer(s):
+        """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_V__W_O1__functional(s):
+        """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_45, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_30),
+        ]
+
+    def block__W_V__W_O2__outer(s):
+        """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_V__W_O2__functional(s):
+        """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_46, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
+        ]
+
+    def block__W_V__W_1__outer(s):
+        """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_V__W_1__functional(s):
+        """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_V__W_3__outer(s):
+        """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_V__W_3__functional(s):
+        """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_V__W_2__outer(s):
+        """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_V__W_2__functional(s):
+        """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_O1__W_O1__outer(s):
+        """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_O1__W_O1__functional(s):
+        """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_25, s.t_30),
+        ]
+
+    def block__W_O1__W_O2__outer(s):
+        """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_O1__W_O2__functional(s):
+        """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_25, s.t_32),
+        ]
+
+    def block__W_O1__W_1__outer(s):
+        """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_O1__W_1__functional(s):
+        """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_47, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_O1__W_3__outer(s):
+        """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_O1__W_3__functional(s):
+        """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_47, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_O1__W_2__outer(s):
+        """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_47, s.S_27, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_O1__W_2__functional(s):
+        """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_47, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_O2__W_O2__outer(s):
+        """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_O2__W_O2__functional(s):
+        """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_25, s.t_32),
+        ]
+
+    def block__W_O2__W_1__outer(s):
+        """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_O2__W_1__functional(s):
+        """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_48, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_O2__W_3__outer(s):
+        """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_O2__W_3__functional(s):
+        """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_O2__W_2__outer(s):
+        """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_48, s.S_27, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_O2__W_2__functional(s):
+        """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_48, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_1__W_1__outer(s):
+        """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_1__W_1__functional(s):
+        """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_12, s.N_2),
+        ]
+
+    def block__W_1__W_3__outer(s):
+        """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_1__W_3__functional(s):
+        """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_13, s.N_2),
+        ]
+
+    def block__W_1__W_2__outer(s):
+        """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_1__W_2__functional(s):
+        """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff] + diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff])"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.S_4, s.G),
+        ]
+
+    def block__W_3__W_3__outer(s):
+        """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_33, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_3__W_2__outer(s):
+        """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_33, s.W_2, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_3__W_2__functional(s):
+        """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_33, s.G),
+        ]
+
+    def block__W_2__W_2__outer(s):
+        """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_49, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def jacobian__W_Q1(s):
+        """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def jacobian__W_Q2(s):
+        """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def jacobian__W_K(s):
+        """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def jacobian__W_V(s):
+        """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
+            net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
+            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def jacobian__W_O1(s):
+        """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_30),
+        ]
+
+    def jacobian__W_O2(s):
+        """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
+        ]
+
+    def jacobian__W_1(s):
+        """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.S_4, s.N_2),
+        ]
+
+    def jacobian__W_3(s):
+        """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_33, s.N_2),
+        ]
+
+    def jacobian__W_2(s):
+        """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nab->n|ac|bc', s.t_17, free={'c': s.d_V}),
+        ]
+
+    def loss(s):
+        """The loss, batch mean."""
+        return mean0((-1/s.L) * s.t_73, True)[..., 0, 0]
+
+    def gradient(s):
+        """(∂ℓ/∂W_p for p in the parameters), batch mean."""
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_75", tr(s.N_1), s.t_75), (1, "N_1' t_76 R'", tr(s.N_1), s.t_76, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_78", tr(s.N_1), s.t_78), (1, "N_1' t_79 R'", tr(s.N_1), s.t_79, tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_83 R'", tr(s.N_1), s.t_83, tr(s.R)), (1, "N_1' t_84", tr(s.N_1), s.t_84), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_42 W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_42", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_42, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_42", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_42, mean=True)
+        out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
+        out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
+        out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_86 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_87 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_88 = lin((1/math.sqrt(s.d_K), s.prod("t_38' @t_86", tr(s.t_38), t_86)), (1/math.sqrt(s.d_K), s.prod("@t_87 t_7'", t_87, tr(s.t_7))))
+        t_89 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_90 = lin((1/math.sqrt(s.d_K), s.prod("@t_89 t_7'", t_89, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_39' @t_86", tr(s.t_39), t_86)))
+        t_91 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_88), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_90), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_92 = lin((1, t_91, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_91 * s.Y_2), s.one), s.t_50))
+        t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_95 = lin((1, t_91), (1, s.prod('_ W_2', lin((1, s.t_85, t_93), (1, s.t_33, t_94)), s.W_2)), (1, s.prod("t_49' @V_W_2", tr(s.t_49), V_W_2)))
+        t_96 = (s.t_4 * softmax_diff(s.t_53, t_95))
+        t_97 = s.mm("@t_96 W_2'", t_96, tr(s.W_2))
+        t_98 = ((1/s.L) * s.t_85 * t_97)
+        t_99 = (s.t_33 * t_97)
+        t_100 = lin((1, s.prod("@t_98 W_1'", t_98, tr(s.W_1))), (1/s.L, s.prod("@t_99 W_3'", t_99, tr(s.W_3))))
+        t_101 = lin((1, t_100, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_50 * t_100), s.one), s.Y_2), (1/s.L, t_96))
+        t_102 = softmax_diff(s.A1, s.mm("@t_101 W_O1' W_V' N_1'", t_101, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_103 = s.mm("@t_102 t_2'", t_102, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_103 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_103 * s.C)), mean=True)
+        t_104 = softmax_diff(s.A2, s.mm("@t_101 W_O2' W_V' N_1'", t_101, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_105 = s.mm("@t_104 t_2'", t_104, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_105 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_105 * s.S), tr(s.R)), mean=True)
+        t_106 = lin((1, s.prod("@t_102' t_38'", tr(t_102), tr(s.t_38))), (1, s.prod("@t_104' t_39'", tr(t_104), tr(s.t_39))))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_101 W_O1'", tr(s.N_1), tr(s.A1), t_101, tr(s.W_O1)), (1, "N_1' A2' @t_101 W_O2'", tr(s.N_1), tr(s.A2), t_101, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' @t_101", tr(s.W_V), tr(s.N_1), tr(s.A1), t_101, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' @t_101", tr(s.W_V), tr(s.N_1), tr(s.A2), t_101, mean=True)
+        out_W_1 = s.mm("N_2' @t_98", tr(s.N_2), t_98, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' @t_99", tr(s.N_2), t_99, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' @t_96", tr(s.t_17), t_96, mean=True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_107 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_108 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_109 = lin((1, s.prod("t_38' @t_107", tr(s.t_38), t_107)), (1, s.prod("@t_108 t_7'", t_108, tr(s.t_7))))
         t_110 = (1/math.sqrt(s.d_K)) * t_109
         t_112 = softmax_diff2(s.A1, t_110, s.t_111)
         t_114 = softmax_diff(s.A1, t_110)
-        t_115 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_116 = lin((1, s.prod("@t_115 t_5'", t_115, tr(s.t_5))), (1, s.prod("t_38' @t_107", tr(s.t_38), t_107)))
+        t_115 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_116 = lin((1, s.prod("@t_115 t_7'", t_115, tr(s.t_7))), (1, s.prod("t_39' @t_107", tr(s.t_39), t_107)))
         t_117 = (1/math.sqrt(s.d_K)) * t_116
         t_118 = softmax_diff(s.A2, t_117)
         t_119 = lin((1, s.mm_sum('r', (1, '@t_114 N_1 W_V W_O1', t_114, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_118 N_1 W_V W_O2', t_118, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_120 = s.mm('_ one', (t_119 * s.Y_2), s.one)
-        t_121 = (t_120 * s.t_51)
+        t_121 = (t_120 * s.t_50)
         t_122 = lin((1, t_119, s.R_N_2), (2/s.d_V, t_121))
         t_123 = lin((1, s.prod('@t_122 W_1', t_122, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_124 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
-        t_126 = lin((1, s.prod('@t_122 W_3', t_122, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_127 = lin((1, s.t_113, t_123), (1, s.t_91, t_124), (1, s.t_125, t_126))
-        t_128 = ((s.t_125 * t_123) + (s.t_32 * t_124))
-        t_129 = lin((1, s.prod("@t_127 W_1'", t_127, tr(s.W_1))), (1, s.prod("@t_128 W_3'", t_128, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
-        t_130 = lin((1, s.t_66, t_119), (2/s.d_V, s.t_51, t_129), (2/s.d_V, t_120, s.t_67))
+        t_125 = lin((1, s.prod('@t_122 W_3', t_122, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_126 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_127 = lin((1, s.t_113, t_123), (1, s.t_124, t_125), (1, s.t_85, t_126))
+        t_128 = lin((1, s.t_124, t_123), (1, s.t_33, t_126))
+        t_129 = lin((1, s.prod("@t_127 W_1'", t_127, tr(s.W_1))), (1, s.prod("@t_128 W_3'", t_128, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
+        t_130 = lin((1, s.t_66, t_119), (2/s.d_V, s.t_50, t_129), (2/s.d_V, t_120, s.t_67))
+        t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_69), (1, s.t_41, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
+        t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_133 = softmax_diff(s.A1, t_132)
+        t_134 = (t_112 + t_133)
+        t_136 = lin((1, s.prod("@t_134 t_2'", t_134, tr(s.t_2))), (1, s.prod("t_135 @t_107'", s.t_135, tr(t_107))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_136 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_136 * s.C)), mean=True)
+        t_138 = softmax_diff2(s.A2, t_117, s.t_137)
+        t_139 = s.mm_sum('r', (1, "@t_131 W_O2' W_V' N_1'", t_131, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_140 = softmax_diff(s.A2, t_139)
+        t_141 = (t_138 + t_140)
+        t_143 = lin((1, s.prod("@t_141 t_2'", t_141, tr(s.t_2))), (1, s.prod("t_142 @t_107'", s.t_142, tr(t_107))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_143 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), mean=True)
+        t_144 = lin((1, s.prod("@t_134' t_38'", tr(t_134), tr(s.t_38))), (1, s.prod("@t_141' t_39'", tr(t_141), tr(s.t_39))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_114' t_42 W_O1'", tr(s.N_1), tr(t_114), s.t_42, tr(s.W_O1)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' @t_118' t_42 W_O2'", tr(s.N_1), tr(t_118), s.t_42, tr(s.W_O2)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_114' t_42", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_118' t_42", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
+        out_W_1 = (s.mm("@t_122' t_20", tr(t_122), s.t_20, mean=True) + s.mm("N_2' @t_127", tr(s.N_2), t_127, mean=True))
+        out_W_3 = (s.mm("@t_122' t_21", tr(t_122), s.t_21, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
+        out_W_2 = s.mm('_ G', lin((1, tr(s.t_85), tr(t_123)), (1, s.t_145, tr(t_125))), s.G, mean=True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_146 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_147 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_148 = lin((1, s.prod("t_38' @t_146", tr(s.t_38), t_146)), (1, s.prod("@t_147 t_7'", t_147, tr(s.t_7))))
+        t_149 = (1/math.sqrt(s.d_K)) * t_148
+        t_161 = softmax_diff2(s.A1, t_149, s.t_160)
+        t_163 = softmax_diff(s.A1, t_149)
+        t_164 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_165 = lin((1, s.prod("@t_164 t_7'", t_164, tr(s.t_7))), (1, s.prod("t_39' @t_146", tr(s.t_39), t_146)))
+        t_166 = (1/math.sqrt(s.d_K)) * t_165
+        t_167 = softmax_diff(s.A2, t_166)
+        t_168 = lin((1, s.mm_sum('r', (1, '@t_163 N_1 W_V W_O1', t_163, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_167 N_1 W_V W_O2', t_167, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_169 = s.mm('_ one', (t_168 * s.Y_2), s.one)
+        t_170 = (t_169 * s.t_50)
+        t_171 = lin((1, t_168, s.R_N_2), (2/s.d_V, t_170))
+        t_172 = lin((1, s.prod('@t_171 W_1', t_171, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_173 = lin((1, s.prod('@t_171 W_3', t_171, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_174 = lin((1, s.t_85, t_172), (1, s.t_33, t_173))
+        t_175 = lin((1, t_168), (1, s.prod('@t_174 W_2', t_174, s.W_2)), (1, s.prod("t_49' @V_W_2", tr(s.t_49), V_W_2)))
+        t_176 = (s.t_4 * softmax_diff(s.t_18, t_175))
+        t_177 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_176 W_2'", t_176, tr(s.W_2))))
+        t_179 = lin((1, s.t_162, t_172), (1, s.t_85, t_177), (1, s.t_178, t_173))
+        t_180 = lin((1, s.t_178, t_172), (1, s.t_33, t_177))
+        t_181 = lin((1, s.prod("@t_179 W_1'", t_179, tr(s.W_1))), (1, s.prod("@t_180 W_3'", t_180, tr(s.W_3))), (1, s.prod("t_152 @V_W_1'", s.t_152, tr(V_W_1))), (1, s.prod("t_154 @V_W_3'", s.t_154, tr(V_W_3))))
+        t_185 = lin((1, s.t_183, t_168), (2/s.d_V, s.t_50, t_181), (2/s.d_V, t_169, s.t_184))
+        t_186 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_169, s.t_182), (1, s.t_158, t_168), (1, s.mm('@t_185 one', t_185, s.one), s.Y_2), (1/s.L, t_176))
+        t_187 = s.mm_sum('r', (1, "@t_186 W_O1' W_V' N_1'", t_186, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_159 W_O1' @V_W_V' N_1'", s.t_159, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_159 @V_W_O1' W_V' N_1'", s.t_159, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_188 = softmax_diff(s.A1, t_187)
+        t_189 = (t_161 + t_188)
+        t_191 = lin((1, s.prod("@t_189 t_2'", t_189, tr(s.t_2))), (1, s.prod("t_190 @t_146'", s.t_190, tr(t_146))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_191 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_191 * s.S), tr(s.R)), mean=True)
+        t_193 = softmax_diff2(s.A2, t_166, s.t_192)
+        t_194 = s.mm_sum('r', (1, "@t_186 W_O2' W_V' N_1'", t_186, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_159 W_O2' @V_W_V' N_1'", s.t_159, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_159 @V_W_O2' W_V' N_1'", s.t_159, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_195 = softmax_diff(s.A2, t_194)
+        t_196 = (t_193 + t_195)
+        t_198 = lin((1, s.prod("@t_196 t_2'", t_196, tr(s.t_2))), (1, s.prod("t_197 @t_146'", s.t_197, tr(t_146))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_198 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_198 * s.C)), mean=True)
+        t_199 = lin((1, s.prod("@t_189' t_38'", tr(t_189), tr(s.t_38))), (1, s.prod("@t_196' t_39'", tr(t_196), tr(s.t_39))), (1, s.prod("t_190' @t_147", tr(s.t_190), t_147)), (1, s.prod("t_197' @t_164", tr(s.t_197), t_164)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_199 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_167' t_159 W_O2'", tr(s.N_1), tr(t_167), s.t_159, tr(s.W_O2)), (1, "N_1' A2' t_159 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_159, tr(V_W_O2)), (1, "N_1' A2' @t_186 W_O2'", tr(s.N_1), tr(s.A2), t_186, tr(s.W_O2)), (1, "N_1' A1' t_159 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_159, tr(V_W_O1)), (1, "N_1' A1' @t_186 W_O1'", tr(s.N_1), tr(s.A1), t_186, tr(s.W_O1)), (1, "N_1' @t_163' t_159 W_O1'", tr(s.N_1), tr(t_163), s.t_159, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_159", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_159), (1, "W_V' N_1' @t_163' t_159", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_159), mean=True)), (1, s.mm("W_V' N_1' A1' @t_186", tr(s.W_V), tr(s.N_1), tr(s.A1), t_186, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_159", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_159), (1, "W_V' N_1' @t_167' t_159", tr(s.W_V), tr(s.N_1), tr(t_167), s.t_159), mean=True)), (1, s.mm("W_V' N_1' A2' @t_186", tr(s.W_V), tr(s.N_1), tr(s.A2), t_186, mean=True)))
+        out_W_1 = (s.mm("@t_171' t_152", tr(t_171), s.t_152, mean=True) + s.mm("N_2' @t_179", tr(s.N_2), t_179, mean=True))
+        out_W_3 = (s.mm("@t_171' t_154", tr(t_171), s.t_154, mean=True) + s.mm("N_2' @t_180", tr(s.N_2), t_180, mean=True))
+        out_W_2 = lin((1, s.mm("@t_174' G", tr(t_174), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_176", tr(s.t_17), t_176, mean=True)))
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+
+class ce_causal1(Forward):
+    """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
+
+    PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
+    STAMP = "821e5d842cf6cb229321e8f4"
+    RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_O1 t_159'": 2,
+        "@V_W_O1 t_42'": 2,
+        "@V_W_O1' W_V'": 2,
+        "@V_W_O1' W_V' N_1'": 2,
+        "@V_W_O2 t_159'": 2,
+        "@V_W_O2 t_42'": 2,
+        "@V_W_O2' W_V'": 2,
+        "@V_W_O2' W_V' N_1'": 2,
+        "@V_W_Q1' N_1'": 2,
+        "@V_W_Q2' N_1'": 2,
+        '@V_W_V W_O1': 2,
+        '@V_W_V W_O2': 2,
+        "@V_W_V' N_1'": 6,
+        "@V_W_V' N_1' A1'": 2,
+        "@V_W_V' N_1' A2'": 2,
+        "@t_101 W_O1'": 2,
+        "@t_101 W_O2'": 2,
+        "@t_101' A1": 2,
+        "@t_101' A1 N_1": 2,
+        "@t_101' A2": 2,
+        "@t_101' A2 N_1": 2,
+        '@t_114 N_1': 3,
+        '@t_114 N_1 W_V': 2,
+        "@t_114' t_42": 2,
+        '@t_118 N_1': 3,
+        '@t_118 N_1 W_V': 2,
+        "@t_118' t_42": 2,
+        "@t_131 W_O1'": 2,
+        "@t_131 W_O2'": 2,
+        "@t_131' A1": 2,
+        "@t_131' A1 N_1": 2,
+        "@t_131' A2": 2,
+        "@t_131' A2 N_1": 2,
+        '@t_163 N_1': 3,
+        '@t_163 N_1 W_V': 2,
+        "@t_163' t_159": 2,
+        '@t_167 N_1': 3,
+        '@t_167 N_1 W_V': 2,
+        "@t_167' t_159": 2,
+        "@t_186 W_O1'": 2,
+        "@t_186 W_O2'": 2,
+        "@t_186' A1": 2,
+        "@t_186' A1 N_1": 2,
+        "@t_186' A2": 2,
+        "@t_186' A2 N_1": 2,
+        'A1 N_1': 20,
+        'A1 N_1 W_V': 9,
+        "A1' t_159": 2,
+        "A1' t_42": 5,
+        'A2 N_1': 20,
+        'A2 N_1 W_V': 9,
+        "A2' t_159": 2,
+        "A2' t_42": 5,
+        "G W_2'": 2,
+        'N_1 @V_W_V W_O1': 2,
+        'N_1 @V_W_V W_O2': 2,
+        'N_1 W_K': 2,
+        'N_1 W_Q1': 2,
+        'N_1 W_Q2': 2,
+        'N_1 W_V': 49,
+        'N_1 W_V W_O1': 12,
+        'N_1 W_V W_O2': 12,
+        "N_1' @t_114' t_42": 2,
+        "N_1' @t_118' t_42": 2,
+        "N_1' @t_163' t_159": 2,
+        "N_1' @t_167' t_159": 2,
+        "N_1' A1' t_159": 2,
+        "N_1' A1' t_42": 4,
+        "N_1' A2' t_159": 2,
+        "N_1' A2' t_42": 4,
+        "W_O1 t_159'": 3,
+        "W_O1 t_26'": 2,
+        "W_O1 t_42'": 5,
+        "W_O1' W_V'": 13,
+        "W_O2 t_159'": 3,
+        "W_O2 t_26'": 2,
+        "W_O2 t_42'": 5,
+        "W_O2' W_V'": 13,
+    }
+
+    @leaf
+    def t(s):
+        return (s.X * s.X)
+
+    @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def ms_N_1(s):
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
+
+    @leaf
+    def R_N_1(s):
+        return ((lin((1, s.ms_N_1), (1/1000000, ones((s.L, s.d_V), s.like)))) ** -0.5)
+
+    @leaf
+    def N_1(s):
+        return (s.R_N_1 * s.X)
+
+    @leaf
+    def t_2(s):
+        return lin((1, s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)), tr(s.C)))
+
+    @leaf
+    def t_3(s):
+        return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
+
+    @leaf
+    def t_4(s):
+        return s.mm('Y one', s.Y, s.one)
+
+    @leaf
+    def t_5(s):
+        return bcast_last(s.t_4, s.d_V)
+
+    @leaf
+    def t_6(s):
+        return tr(s.t_3)
+
+    @leaf
+    def t_7(s):
+        return tr(s.t_2)
+
+    @leaf
+    def t_8(s):
+        return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_9(s):
+        return lin((1, s.mm('N_1 W_Q1', s.N_1, s.W_Q1), s.C), (1, s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R), s.S))
+
+    @leaf
+    def t_10(s):
+        return lin((1, s.mm('N_1 W_Q2', s.N_1, s.W_Q2), s.C), (1, s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R), s.S))
+
+    @leaf
+    def T1(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("t_9 t_7'", s.t_9, tr(s.t_7))
+
+    @leaf
+    def A1(s):
+        return softmax_rows(s.T1, causal=True)
+
+    @leaf
+    def T2(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("t_10 t_7'", s.t_10, tr(s.t_7))
+
+    @leaf
+    def A2(s):
+        return softmax_rows(s.T2, causal=True)
+
+    @leaf
+    def Y_2(s):
+        return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
+
+    @leaf
+    def t_11(s):
+        return (s.Y_2 * s.Y_2)
+
+    @leaf
+    def ms_N_2(s):
+        return (1/s.d_V) * s.mm('t_11 one', s.t_11, s.one)
+
+    @leaf
+    def t_12(s):
+        return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
+
+    @leaf
+    def R_N_2(s):
+        return (s.t_12 ** -0.5)
+
+    @leaf
+    def N_2(s):
+        return (s.R_N_2 * s.Y_2)
+
+    @leaf
+    def t_13(s):
+        return s.mm('N_2 W_1', s.N_2, s.W_1)
+
+    @leaf
+    def t_14(s):
+        return sigmoid(s.t_13)
+
+    @leaf
+    def t_15(s):
+        return ((1.0 - s.t_14) * s.t_14)
+
+    @leaf
+    def t_16(s):
+        return s.mm('N_2 W_3', s.N_2, s.W_3)
+
+    @leaf
+    def t_17(s):
+        return mul(s.t_14, s.t_13, s.t_16)
+
+    @leaf
+    def F(s):
+        return (s.mm('t_17 W_2', s.t_17, s.W_2) + s.Y_2)
+
+    @leaf
+    def t_18(s):
+        return softmax_rows(s.F)
+
+    @leaf
+    def G(s):
+        return lin((1/s.L, s.t_4, s.t_18), (-1/s.L, s.Y))
+
+    @leaf
+    def t_19(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_20(s):
+        return lin((1, mul(s.t_15, s.t_19, s.t_13), s.t_16), (1, (s.t_14 * s.t_19), s.t_16))
+
+    @leaf
+    def t_21(s):
+        return mul(s.t_14, s.t_19, s.t_13)
+
+    @leaf
+    def t_22(s):
+        return (s.mm("t_20 W_1'", s.t_20, tr(s.W_1)) + s.mm("t_21 W_3'", s.t_21, tr(s.W_3)))
+
+    @leaf
+    def t_23(s):
+        return (-0.5 * (s.t_12 ** -1.5))
+
+    @leaf
+    def t_24(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22, s.t_23, s.Y_2)
+
+    @leaf
+    def t_25(s):
+        return s.mm('t_24 one', s.t_24, s.one)
+
+    @leaf
+    def t_26(s):
+        return lin((1/math.sqrt(s.d_K), s.t_22, s.R_N_2), (1, s.t_25, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+
+    @leaf
+    def t_27(s):
+        return softmax_diff(s.A1, s.mm("t_26 W_O1' W_V' N_1'", s.t_26, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_28(s):
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+
+    @leaf
+    def t_29(s):
+        return s.mm("t_26 W_O1'", s.t_26, tr(s.W_O1))
+
+    @leaf
+    def t_30(s):
+        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
+
+    @leaf
+    def t_31(s):
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
+
+    @leaf
+    def t_32(s):
+        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
+
+    @leaf
+    def t_33(s):
+        return (s.t_14 * s.t_13)
+
+    @leaf
+    def t_34(s):
+        return tr(s.t_8)
+
+    @leaf
+    def t_35(s):
+        return softmax_diff(s.A2, s.mm("t_26 W_O2' W_V' N_1'", s.t_26, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_36(s):
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
+
+    @leaf
+    def t_37(s):
+        return s.mm("t_26 W_O2'", s.t_26, tr(s.W_O2))
+
+    @leaf
+    def t_38(s):
+        return tr(s.t_9)
+
+    @leaf
+    def t_39(s):
+        return tr(s.t_10)
+
+    @leaf
+    def t_40(s):
+        return mul((2/s.d_V) * s.t_22, s.t_23, s.Y_2)
+
+    @leaf
+    def t_41(s):
+        return s.mm('t_40 one', s.t_40, s.one)
+
+    @leaf
+    def t_42(s):
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_41, s.Y_2), (1, s.G))
+
+    @leaf
+    def t_43(s):
+        return s.mm("t_42 W_O1'", s.t_42, tr(s.W_O1))
+
+    @leaf
+    def t_44(s):
+        return s.mm("t_42 W_O2'", s.t_42, tr(s.W_O2))
+
+    @leaf
+    def t_45(s):
+        return s.mm("A1' t_42", tr(s.A1), s.t_42)
+
+    @leaf
+    def t_46(s):
+        return s.mm("A2' t_42", tr(s.A2), s.t_42)
+
+    @leaf
+    def t_47(s):
+        return tr(s.t_30)
+
+    @leaf
+    def t_48(s):
+        return tr(s.t_32)
+
+    @leaf
+    def t_49(s):
+        return tr(s.t_17)
+
+    @leaf
+    def t_50(s):
+        return (s.t_23 * s.Y_2)
+
+    @leaf
+    def t_51(s):
+        return mul(s.t_15, s.t_13, s.t_16)
+
+    @leaf
+    def t_52(s):
+        return (s.t_14 * s.t_16)
+
+    @leaf
+    def t_53(s):
+        return softmax_rows(s.F)
+
+    @leaf
+    def t_54(s):
+        return mul(((2.0 * s.t_14) - 1.0), (s.t_14 - 1.0), s.t_14)
+
+    @leaf
+    def t_55(s):
+        return mul(s.t_54, s.t_19, s.t_13, s.t_16)
+
+    @leaf
+    def t_56(s):
+        return mul(s.t_15, s.t_19, s.t_16)
+
+    @leaf
+    def t_57(s):
+        return mul(s.t_15, s.t_19, s.t_13)
+
+    @leaf
+    def t_58(s):
+        return (s.t_14 * s.t_19)
+
+    @leaf
+    def t_59(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22 * s.t_23)
+
+    @leaf
+    def t_60(s):
+        return (0.75 * (s.t_12 ** -2.5))
+
+    @leaf
+    def t_61(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22, s.t_60, s.Y_2)
+
+    @leaf
+    def t_62(s):
+        return bcast_last(s.t_25, s.d_V)
+
+    @leaf
+    def t_63(s):
+        return ((1/math.sqrt(s.d_K)) * s.t_22 * s.t_23)
+
+    @leaf
+    def t_64(s):
+        return (1/math.sqrt(s.d_K)) * s.t_42
+
+    @leaf
+    def t_65(s):
+        return softmax_diff(s.A1, s.mm("t_64 W_O1' W_V' N_1'", s.t_64, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_66(s):
+        return ((2/s.d_V) * s.t_22 * s.t_23)
+
+    @leaf
+    def t_67(s):
+        return mul((2/s.d_V) * s.t_22, s.t_60, s.Y_2)
+
+    @leaf
+    def t_68(s):
+        return bcast_last(s.t_41, s.d_V)
+
+    @leaf
+    def t_69(s):
+        return (s.t_22 * s.t_23)
+
+    @leaf
+    def t_70(s):
+        return softmax_diff(s.A2, s.mm("t_64 W_O2' W_V' N_1'", s.t_64, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
+    def t_71(s):
+        return log_softmax_rows(s.F)
+
+    @leaf
+    def t_72(s):
+        return (s.t_71 * s.Y)
+
+    @leaf
+    def t_73(s):
+        return s.mm('one_2 t_72 one', s.one_2, s.t_72, s.one)
+
+    @leaf
+    def t_74(s):
+        return s.mm("t_27 t_2'", s.t_27, tr(s.t_2))
+
+    @leaf
+    def t_75(s):
+        return (s.t_74 * s.S)
+
+    @leaf
+    def t_76(s):
+        return (s.t_74 * s.C)
+
+    @leaf
+    def t_77(s):
+        return s.mm("t_35 t_2'", s.t_35, tr(s.t_2))
+
+    @leaf
+    def t_78(s):
+        return (s.t_77 * s.C)
+
+    @leaf
+    def t_79(s):
+        return (s.t_77 * s.S)
+
+    @leaf
+    def t_80(s):
+        return s.mm("t_65' t_38'", tr(s.t_65), tr(s.t_38))
+
+    @leaf
+    def t_81(s):
+        return s.mm("t_70' t_39'", tr(s.t_70), tr(s.t_39))
+
+    @leaf
+    def t_82(s):
+        return (s.t_80 + s.t_81)
+
+    @leaf
+    def t_83(s):
+        return (s.t_82 * s.C)
+
+    @leaf
+    def t_84(s):
+        return (s.t_82 * s.S)
+
+    @leaf
+    def t_85(s):
+        return (s.t_51 + s.t_52)
+
+    @leaf
+    def t_111(s):
+        return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_113(s):
+        return lin((1, s.t_55), (2, s.t_56))
+
+    @leaf
+    def t_124(s):
+        return (s.t_57 + s.t_58)
+
+    @leaf
+    def t_135(s):
+        return softmax_diff(s.A1, s.t_111)
+
+    @leaf
+    def t_137(s):
+        return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_142(s):
+        return softmax_diff(s.A2, s.t_137)
+
+    @leaf
+    def t_145(s):
+        return (tr(s.t_14) * tr(s.t_13))
+
+    @leaf
+    def t_150(s):
+        return lin((1, s.t_4, s.t_18), (-1, s.Y))
+
+    @leaf
+    def t_151(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_152(s):
+        return lin((1, mul(s.t_15, s.t_151, s.t_13), s.t_16), (1, (s.t_14 * s.t_151), s.t_16))
+
+    @leaf
+    def t_153(s):
+        return s.mm("t_152 W_1'", s.t_152, tr(s.W_1))
+
+    @leaf
+    def t_154(s):
+        return mul(s.t_14, s.t_151, s.t_13)
+
+    @leaf
+    def t_155(s):
+        return s.mm("t_154 W_3'", s.t_154, tr(s.W_3))
+
+    @leaf
+    def t_156(s):
+        return (s.t_153 + s.t_155)
+
+    @leaf
+    def t_157(s):
+        return mul((2/s.d_V) * s.t_156, s.t_23, s.Y_2)
+
+    @leaf
+    def t_158(s):
+        return s.mm('t_157 one', s.t_157, s.one)
+
+    @leaf
+    def t_159(s):
+        return lin((1/s.L, s.t_150), (1, s.t_156, s.R_N_2), (1, s.t_158, s.Y_2))
+
+    @leaf
+    def t_160(s):
+        return s.mm("t_159 W_O1' W_V' N_1'", s.t_159, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_162(s):
+        return lin((1, mul(s.t_54, s.t_151, s.t_13), s.t_16), (2, (s.t_15 * s.t_151), s.t_16))
+
+    @leaf
+    def t_178(s):
+        return lin((1, (s.t_15 * s.t_151), s.t_13), (1, s.t_14, s.t_151))
+
+    @leaf
+    def t_182(s):
+        return (s.t_156 * s.t_23)
+
+    @leaf
+    def t_183(s):
+        return ((2/s.d_V) * s.t_156 * s.t_23)
+
+    @leaf
+    def t_184(s):
+        return mul((2/s.d_V) * s.t_156, s.t_60, s.Y_2)
+
+    @leaf
+    def t_190(s):
+        return softmax_diff(s.A1, s.t_160)
+
+    @leaf
+    def t_192(s):
+        return s.mm("t_159 W_O2' W_V' N_1'", s.t_159, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_197(s):
+        return softmax_diff(s.A2, s.t_192)
+
+    @leaf
+    def S_2(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_2', [
+            net(1/(s.L*s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/(s.L*s.d_K), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def dA(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA', [
+            net(1, 'nab,bc->nabc', s.A1, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.A1, s.A1),
+        ])
+
+    @leaf
+    def S_3(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_3', [
+            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_50),
+        ])
+
+    @leaf
+    def S_4(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_4', [
+            net(1, 'nab->nab', s.t_51),
+            net(1, 'nab->nab', s.t_52),
+        ])
+
+    @leaf
+    def S_5(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_5', [
+            net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_33),
+        ])
+
+    @leaf
+    def S_6(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_6', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nacd,de->nabe', s.S_3, s.S_5, s.W_2),
+        ])
+
+    @leaf
+    def dA_2(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA_2', [
+            net(1, 'nab,bc->nabc', s.t_53, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_53, s.t_53),
+        ])
+
+    @leaf
+    def S_7(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_7', [
+            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
+            net(1, 'nab,cb->nabc', s.t_33, s.W_3),
+        ])
+
+    @leaf
+    def S_8(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_8', [
+            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_50, ONES, s.Y_2),
+        ])
+
+    @leaf
+    def S_9(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_9', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
+        ])
+
+    @leaf
+    def S_10(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_10', [
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->abc', s.S, s.R),
+        ])
+
+    @leaf
+    def S_11(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_11', [
+            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_12(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_12', [
+            net(1, 'nab->nab', s.t_55),
+            net(2, 'nab->nab', s.t_56),
+        ])
+
+    @leaf
+    def S_13(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_13', [
+            net(1, 'nab->nab', s.t_57),
+            net(1, 'nab->nab', s.t_58),
+        ])
+
+    @leaf
+    def S_14(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_14', [
+            net(1, 'nab,cb->nabc', s.S_12, s.W_1),
+            net(1, 'nab,cb->nabc', s.S_13, s.W_3),
+        ])
+
+    @leaf
+    def S_15(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_15', [
+            net(1, 'ab,ncbd->ncad', s.W_1, s.S_14),
+            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_13, s.W_1),
+        ])
+
+    @leaf
+    def S_16(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_16', [
+            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_50, s.S_15, s.S_8),
+        ])
+
+    @leaf
+    def S_17(s):
+        """A sum as a compact tensor (4 networks)."""
+        return Compact('S_17', [
+            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
+            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
+        ])
+
+    @leaf
+    def d2A(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A', [
+            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_27, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_27),
+        ])
+
+    @leaf
+    def S_18(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_18', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_6, s.dA),
+            net(1, 'nabc->nabc', s.d2A),
+        ])
+
+    @leaf
+    def dA_3(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA_3', [
+            net(1, 'nab,bc->nabc', s.A2, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.A2, s.A2),
+        ])
+
+    @leaf
+    def S_19(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_19', [
+            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->bac', s.S, s.R),
+        ])
+
+    @leaf
+    def S_20(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_20', [
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_21', [
+            net(1/(s.L*math.sqrt(s.d_K)), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/(s.L*math.sqrt(s.d_K)), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_22(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_22', [
+            net(1, 'ab,ncb->ncab', s.W_1, s.S_12),
+            net(1, 'ab,ncb->ncab', s.W_3, s.S_13),
+        ])
+
+    @leaf
+    def d2A_2(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_2', [
+            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_35, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_35),
+        ])
+
+    @leaf
+    def S_23(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_23', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_34, s.S_17, s.t_8, s.dA_3),
+            net(1, 'nabc->nabc', s.d2A_2),
+        ])
+
+    @leaf
+    def d2A_3(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_3', [
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_65, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_65),
+        ])
+
+    @leaf
+    def S_24(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_24', [
+            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_50, s.S_15, s.S_8),
+        ])
+
+    @leaf
+    def S_25(s):
+        """A sum as a compact tensor (4 networks)."""
+        return Compact('S_25', [
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_69, ONES, s.Y_2),
+            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
+        ])
+
+    @leaf
+    def d2A_4(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_4', [
+            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_70, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_70),
+        ])
+
+    @leaf
+    def S_26(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_26', [
+            net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_50),
+        ])
+
+    @leaf
+    def S_27(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_27', [
+            net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nacd,de->nabe', s.S_26, s.S_5, s.W_2),
+        ])
+
+    @leaf
+    def S_28(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_28', [
+            net(1/s.L, 'nab->nab', s.t_51),
+            net(1/s.L, 'nab->nab', s.t_52),
+        ])
+
+    @leaf
+    def S_29(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_29', [
+            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
+        ])
+
+    def block__W_Q1__W_Q1__outer(s):
+        """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q1__functional(s):
+        """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q2__outer(s):
+        """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q2__functional(s):
+        """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_K__outer(s):
+        """H_o(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def block__W_Q1__W_K__functional(s):
+        """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_27, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_V__outer(s):
+        """H_o(W_Q1, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_Q1__W_V__functional(s):
+        """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_29),
+        ]
+
+    def block__W_Q1__W_O1__outer(s):
+        """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_Q1__W_O1__functional(s):
+        """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.W_O1, s.S_17, s.t_30),
+        ]
+
+    def block__W_Q1__W_O2__outer(s):
+        """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_Q1__W_O2__functional(s):
+        """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_32),
+        ]
+
+    def block__W_Q1__W_1__outer(s):
+        """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_Q1__W_1__functional(s):
+        """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_Q1__W_3__outer(s):
+        """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_Q1__W_3__functional(s):
+        """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_Q1__W_2__outer(s):
+        """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_Q1__W_2__functional(s):
+        """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_Q2__W_Q2__outer(s):
+        """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_Q2__functional(s):
+        """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_23, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_K__outer(s):
+        """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def block__W_Q2__W_K__functional(s):
+        """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_35, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_V__outer(s):
+        """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_Q2__W_V__functional(s):
+        """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_36, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_36, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_37),
+        ]
+
+    def block__W_Q2__W_O1__outer(s):
+        """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_Q2__W_O1__functional(s):
+        """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_30),
+        ]
+
+    def block__W_Q2__W_O2__outer(s):
+        """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_Q2__W_O2__functional(s):
+        """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_31, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_31, s.W_O2, s.S_17, s.t_32),
+        ]
+
+    def block__W_Q2__W_1__outer(s):
+        """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_Q2__W_1__functional(s):
+        """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_Q2__W_3__outer(s):
+        """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_Q2__W_3__functional(s):
+        """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_Q2__W_2__outer(s):
+        """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_Q2__W_2__functional(s):
+        """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_K__W_K__outer(s):
+        """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def block__W_K__W_K__functional(s):
+        """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def block__W_K__W_V__outer(s):
+        """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_K__W_V__functional(s):
+        """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_28, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_28, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_36, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_36, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_44),
+        ]
+
+    def block__W_K__W_O1__outer(s):
+        """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_K__W_O1__functional(s):
+        """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.t_31, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_31, s.W_O1, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_30),
+        ]
+
+    def block__W_K__W_O2__outer(s):
+        """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_K__W_O2__functional(s):
+        """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_31, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_31, s.W_O2, s.S_25, s.t_32),
+        ]
+
+    def block__W_K__W_1__outer(s):
+        """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_K__W_1__functional(s):
+        """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_K__W_3__outer(s):
+        """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_K__W_3__functional(s):
+        """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_K__W_2__outer(s):
+        """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_K__W_2__functional(s):
+        """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_V__W_V__outer(s):
+        """H_o(W_V, W_V): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_V__W_V__functional(s):
+        """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_25, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_V__W_O1__outer(s):
+        """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_V__W_O1__functional(s):
+        """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_45, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_30),
+        ]
+
+    def block__W_V__W_O2__outer(s):
+        """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_V__W_O2__functional(s):
+        """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_46, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
+        ]
+
+    def block__W_V__W_1__outer(s):
+        """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_V__W_1__functional(s):
+        """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_V__W_3__outer(s):
+        """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_V__W_3__functional(s):
+        """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_V__W_2__outer(s):
+        """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_V__W_2__functional(s):
+        """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_O1__W_O1__outer(s):
+        """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_30),
+        ]
+
+    def block__W_O1__W_O1__functional(s):
+        """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_25, s.t_30),
+        ]
+
+    def block__W_O1__W_O2__outer(s):
+        """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_O1__W_O2__functional(s):
+        """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_25, s.t_32),
+        ]
+
+    def block__W_O1__W_1__outer(s):
+        """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_O1__W_1__functional(s):
+        """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_47, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_O1__W_3__outer(s):
+        """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_O1__W_3__functional(s):
+        """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_47, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_O1__W_2__outer(s):
+        """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_47, s.S_27, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_O1__W_2__functional(s):
+        """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_47, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_O2__W_O2__outer(s):
+        """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+        ]
+
+    def block__W_O2__W_O2__functional(s):
+        """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_25, s.t_32),
+        ]
+
+    def block__W_O2__W_1__outer(s):
+        """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_O2__W_1__functional(s):
+        """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_48, s.S_3, s.S_22, s.N_2),
+        ]
+
+    def block__W_O2__W_3__outer(s):
+        """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_O2__W_3__functional(s):
+        """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_O2__W_2__outer(s):
+        """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_48, s.S_27, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_O2__W_2__functional(s):
+        """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_48, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_1__W_1__outer(s):
+        """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_1__W_1__functional(s):
+        """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_12, s.N_2),
+        ]
+
+    def block__W_1__W_3__outer(s):
+        """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_1__W_3__functional(s):
+        """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_13, s.N_2),
+        ]
+
+    def block__W_1__W_2__outer(s):
+        """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_1__W_2__functional(s):
+        """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff] + diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff])"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.S_4, s.G),
+        ]
+
+    def block__W_3__W_3__outer(s):
+        """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_33, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+        ]
+
+    def block__W_3__W_2__outer(s):
+        """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_33, s.W_2, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def block__W_3__W_2__functional(s):
+        """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_33, s.G),
+        ]
+
+    def block__W_2__W_2__outer(s):
+        """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
+        return [
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_49, s.t_5, s.dA_2, s.t_17),
+        ]
+
+    def jacobian__W_Q1(s):
+        """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def jacobian__W_Q2(s):
+        """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+        ]
+
+    def jacobian__W_K(s):
+        """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+        ]
+
+    def jacobian__W_V(s):
+        """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
+            net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
+            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def jacobian__W_O1(s):
+        """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_30),
+        ]
+
+    def jacobian__W_O2(s):
+        """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
+        ]
+
+    def jacobian__W_1(s):
+        """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.S_4, s.N_2),
+        ]
+
+    def jacobian__W_3(s):
+        """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_33, s.N_2),
+        ]
+
+    def jacobian__W_2(s):
+        """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nab->n|ac|bc', s.t_17, free={'c': s.d_V}),
+        ]
+
+    def loss(s):
+        """The loss, batch mean."""
+        return mean0((-1/s.L) * s.t_73, True)[..., 0, 0]
+
+    def gradient(s):
+        """(∂ℓ/∂W_p for p in the parameters), batch mean."""
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_75 R'", tr(s.N_1), s.t_75, tr(s.R)), (1, "N_1' t_76", tr(s.N_1), s.t_76), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_78", tr(s.N_1), s.t_78), (1, "N_1' t_79 R'", tr(s.N_1), s.t_79, tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_83", tr(s.N_1), s.t_83), (1, "N_1' t_84 R'", tr(s.N_1), s.t_84, tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_42 W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_42", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_42, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_42", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_42, mean=True)
+        out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
+        out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
+        out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_86 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_87 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_88 = lin((1/math.sqrt(s.d_K), s.prod("t_38' @t_86", tr(s.t_38), t_86)), (1/math.sqrt(s.d_K), s.prod("@t_87 t_7'", t_87, tr(s.t_7))))
+        t_89 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_90 = lin((1/math.sqrt(s.d_K), s.prod("@t_89 t_7'", t_89, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_39' @t_86", tr(s.t_39), t_86)))
+        t_91 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_88), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_90), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_92 = lin((1, t_91, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_91 * s.Y_2), s.one), s.t_50))
+        t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_95 = lin((1, t_91), (1, s.prod('_ W_2', lin((1, s.t_85, t_93), (1, s.t_33, t_94)), s.W_2)), (1, s.prod("t_49' @V_W_2", tr(s.t_49), V_W_2)))
+        t_96 = (s.t_4 * softmax_diff(s.t_53, t_95))
+        t_97 = s.mm("@t_96 W_2'", t_96, tr(s.W_2))
+        t_98 = ((1/s.L) * s.t_85 * t_97)
+        t_99 = (s.t_33 * t_97)
+        t_100 = lin((1, s.prod("@t_98 W_1'", t_98, tr(s.W_1))), (1/s.L, s.prod("@t_99 W_3'", t_99, tr(s.W_3))))
+        t_101 = lin((1, t_100, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_50 * t_100), s.one), s.Y_2), (1/s.L, t_96))
+        t_102 = softmax_diff(s.A1, s.mm("@t_101 W_O1' W_V' N_1'", t_101, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_103 = s.mm("@t_102 t_2'", t_102, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_103 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_103 * s.S), tr(s.R)), mean=True)
+        t_104 = softmax_diff(s.A2, s.mm("@t_101 W_O2' W_V' N_1'", t_101, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_105 = s.mm("@t_104 t_2'", t_104, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_105 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_105 * s.S), tr(s.R)), mean=True)
+        t_106 = lin((1, s.prod("@t_102' t_38'", tr(t_102), tr(s.t_38))), (1, s.prod("@t_104' t_39'", tr(t_104), tr(s.t_39))))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_101 W_O1'", tr(s.N_1), tr(s.A1), t_101, tr(s.W_O1)), (1, "N_1' A2' @t_101 W_O2'", tr(s.N_1), tr(s.A2), t_101, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' @t_101", tr(s.W_V), tr(s.N_1), tr(s.A1), t_101, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' @t_101", tr(s.W_V), tr(s.N_1), tr(s.A2), t_101, mean=True)
+        out_W_1 = s.mm("N_2' @t_98", tr(s.N_2), t_98, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' @t_99", tr(s.N_2), t_99, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' @t_96", tr(s.t_17), t_96, mean=True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_107 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_108 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_109 = lin((1, s.prod("t_38' @t_107", tr(s.t_38), t_107)), (1, s.prod("@t_108 t_7'", t_108, tr(s.t_7))))
+        t_110 = (1/math.sqrt(s.d_K)) * t_109
+        t_112 = softmax_diff2(s.A1, t_110, s.t_111)
+        t_114 = softmax_diff(s.A1, t_110)
+        t_115 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_116 = lin((1, s.prod("@t_115 t_7'", t_115, tr(s.t_7))), (1, s.prod("t_39' @t_107", tr(s.t_39), t_107)))
+        t_117 = (1/math.sqrt(s.d_K)) * t_116
+        t_118 = softmax_diff(s.A2, t_117)
+        t_119 = lin((1, s.mm_sum('r', (1, '@t_114 N_1 W_V W_O1', t_114, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_118 N_1 W_V W_O2', t_118, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_120 = s.mm('_ one', (t_119 * s.Y_2), s.one)
+        t_121 = (t_120 * s.t_50)
+        t_122 = lin((1, t_119, s.R_N_2), (2/s.d_V, t_121))
+        t_123 = lin((1, s.prod('@t_122 W_1', t_122, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_125 = lin((1, s.prod('@t_122 W_3', t_122, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_126 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_127 = lin((1, s.t_113, t_123), (1, s.t_124, t_125), (1, s.t_85, t_126))
+        t_128 = lin((1, s.t_124, t_123), (1, s.t_33, t_126))
+        t_129 = lin((1, s.prod("@t_127 W_1'", t_127, tr(s.W_1))), (1, s.prod("@t_128 W_3'", t_128, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
+        t_130 = lin((1, s.t_66, t_119), (2/s.d_V, s.t_50, t_129), (2/s.d_V, t_120, s.t_67))
         t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_69), (1, s.t_41, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
         t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_133 = softmax_diff(s.A1, t_132)
@@ -3516,3551 +6884,63 @@ class mse_causal1(Forward):
         t_140 = softmax_diff(s.A2, t_139)
         t_141 = (t_138 + t_140)
         t_143 = lin((1, s.prod("@t_141 t_2'", t_141, tr(s.t_2))), (1, s.prod("t_142 @t_107'", s.t_142, tr(t_107))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_143 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), mean=True)
-        t_144 = lin((1, s.prod("@t_134' t_37'", tr(t_134), tr(s.t_37))), (1, s.prod("@t_141' t_38'", tr(t_141), tr(s.t_38))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_118' t_42 W_O2'", tr(s.N_1), tr(t_118), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' @t_114' t_42 W_O1'", tr(s.N_1), tr(t_114), s.t_42, tr(s.W_O1)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), mean=True)
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_143 * s.C)), mean=True)
+        t_144 = lin((1, s.prod("@t_134' t_38'", tr(t_134), tr(s.t_38))), (1, s.prod("@t_141' t_39'", tr(t_141), tr(s.t_39))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), (1, "N_1' @t_114' t_42 W_O1'", tr(s.N_1), tr(t_114), s.t_42, tr(s.W_O1)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), (1, "N_1' @t_118' t_42 W_O2'", tr(s.N_1), tr(t_118), s.t_42, tr(s.W_O2)), mean=True)
         out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_114' t_42", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
         out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_118' t_42", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
-        out_W_1 = (s.mm("@t_122' t_17", tr(t_122), s.t_17, mean=True) + s.mm("N_2' @t_127", tr(s.N_2), t_127, mean=True))
-        out_W_3 = (s.mm("@t_122' t_18", tr(t_122), s.t_18, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_123)) + (s.t_145 * tr(t_126))), s.G, mean=True)
+        out_W_1 = (s.mm("@t_122' t_20", tr(t_122), s.t_20, mean=True) + s.mm("N_2' @t_127", tr(s.N_2), t_127, mean=True))
+        out_W_3 = (s.mm("@t_122' t_21", tr(t_122), s.t_21, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
+        out_W_2 = s.mm('_ G', lin((1, tr(s.t_85), tr(t_123)), (1, s.t_145, tr(t_125))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_146 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_147 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_148 = lin((1, s.prod("t_37' @t_146", tr(s.t_37), t_146)), (1, s.prod("@t_147 t_5'", t_147, tr(s.t_5))))
+        t_146 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
+        t_147 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
+        t_148 = lin((1, s.prod("t_38' @t_146", tr(s.t_38), t_146)), (1, s.prod("@t_147 t_7'", t_147, tr(s.t_7))))
         t_149 = (1/math.sqrt(s.d_K)) * t_148
-        t_163 = softmax_diff2(s.A1, t_149, s.t_162)
-        t_164 = softmax_diff(s.A1, t_149)
-        t_165 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_166 = lin((1, s.prod("@t_165 t_5'", t_165, tr(s.t_5))), (1, s.prod("t_38' @t_146", tr(s.t_38), t_146)))
-        t_167 = (1/math.sqrt(s.d_K)) * t_166
-        t_168 = softmax_diff(s.A2, t_167)
-        t_169 = lin((1, s.mm_sum('r', (1, '@t_164 N_1 W_V W_O1', t_164, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_168 N_1 W_V W_O2', t_168, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_170 = s.mm('_ one', (t_169 * s.Y_2), s.one)
-        t_171 = (t_170 * s.t_51)
-        t_172 = lin((1, t_169, s.R_N_2), (2/s.d_V, t_171))
-        t_173 = lin((1, s.prod('@t_172 W_1', t_172, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_174 = lin((1, s.prod('@t_172 W_3', t_172, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_175 = ((s.t_91 * t_173) + (s.t_32 * t_174))
-        t_176 = lin((1, t_169), (1, s.prod('@t_175 W_2', t_175, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
-        t_181 = lin((2/(s.L*s.d_V), s.prod("@t_176 W_2'", t_176, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
-        t_182 = lin((1, s.t_177, t_173), (1, s.t_180, t_174), (1, s.t_91, t_181))
-        t_183 = ((s.t_180 * t_173) + (s.t_32 * t_181))
-        t_184 = lin((1, s.prod("@t_182 W_1'", t_182, tr(s.W_1))), (1, s.prod("@t_183 W_3'", t_183, tr(s.W_3))), (1, s.prod("t_154 @V_W_1'", s.t_154, tr(V_W_1))), (1, s.prod("t_156 @V_W_3'", s.t_156, tr(V_W_3))))
-        t_188 = lin((1, s.t_186, t_169), (2/s.d_V, s.t_51, t_184), (2/s.d_V, t_170, s.t_187))
-        t_189 = lin((2/(s.L*s.d_V), t_176), (1, t_184, s.R_N_2), (2/s.d_V, t_170, s.t_185), (1, s.t_160, t_169), (1, s.mm('@t_188 one', t_188, s.one), s.Y_2))
-        t_190 = s.mm_sum('r', (1, "@t_189 W_O1' W_V' N_1'", t_189, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_161 @V_W_O1' W_V' N_1'", s.t_161, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_161 W_O1' @V_W_V' N_1'", s.t_161, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_191 = softmax_diff(s.A1, t_190)
-        t_192 = (t_163 + t_191)
-        t_194 = lin((1, s.prod("@t_192 t_2'", t_192, tr(s.t_2))), (1, s.prod("t_193 @t_146'", s.t_193, tr(t_146))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_194 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_194 * s.C)), mean=True)
-        t_196 = softmax_diff2(s.A2, t_167, s.t_195)
-        t_197 = s.mm_sum('r', (1, "@t_189 W_O2' W_V' N_1'", t_189, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_161 W_O2' @V_W_V' N_1'", s.t_161, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_161 @V_W_O2' W_V' N_1'", s.t_161, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_198 = softmax_diff(s.A2, t_197)
-        t_199 = (t_196 + t_198)
-        t_201 = lin((1, s.prod("@t_199 t_2'", t_199, tr(s.t_2))), (1, s.prod("t_200 @t_146'", s.t_200, tr(t_146))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_201 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
-        t_202 = lin((1, s.prod("@t_192' t_37'", tr(t_192), tr(s.t_37))), (1, s.prod("@t_199' t_38'", tr(t_199), tr(s.t_38))), (1, s.prod("t_193' @t_147", tr(s.t_193), t_147)), (1, s.prod("t_200' @t_165", tr(s.t_200), t_165)))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_164' t_161 W_O1'", tr(s.N_1), tr(t_164), s.t_161, tr(s.W_O1)), (1, "N_1' A1' t_161 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_161, tr(V_W_O1)), (1, "N_1' A2' @t_189 W_O2'", tr(s.N_1), tr(s.A2), t_189, tr(s.W_O2)), (1, "N_1' A2' t_161 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_161, tr(V_W_O2)), (1, "N_1' @t_168' t_161 W_O2'", tr(s.N_1), tr(t_168), s.t_161, tr(s.W_O2)), (1, "N_1' A1' @t_189 W_O1'", tr(s.N_1), tr(s.A1), t_189, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_161", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_161), (1, "W_V' N_1' @t_164' t_161", tr(s.W_V), tr(s.N_1), tr(t_164), s.t_161), mean=True)), (1, s.mm("W_V' N_1' A1' @t_189", tr(s.W_V), tr(s.N_1), tr(s.A1), t_189, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_161", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_161), (1, "W_V' N_1' @t_168' t_161", tr(s.W_V), tr(s.N_1), tr(t_168), s.t_161), mean=True)), (1, s.mm("W_V' N_1' A2' @t_189", tr(s.W_V), tr(s.N_1), tr(s.A2), t_189, mean=True)))
-        out_W_1 = (s.mm("@t_172' t_154", tr(t_172), s.t_154, mean=True) + s.mm("N_2' @t_182", tr(s.N_2), t_182, mean=True))
-        out_W_3 = (s.mm("@t_172' t_156", tr(t_172), s.t_156, mean=True) + s.mm("N_2' @t_183", tr(s.N_2), t_183, mean=True))
-        t_203 = (2/(s.L*s.d_V)) * t_176
-        out_W_2 = (s.mm("@t_175' G", tr(t_175), s.G, mean=True) + s.mm("t_15' @t_203", tr(s.t_15), t_203, mean=True))
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-
-class ce_causal0(Forward):
-    """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
-
-    PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "92bacdb7ffedd7bd924f628f"
-    RUNS = {
-        "@V_W_K' N_1'": 2,
-        "@V_W_O1 t_165'": 2,
-        "@V_W_O1 t_45'": 2,
-        "@V_W_O1' W_V'": 2,
-        "@V_W_O1' W_V' N_1'": 2,
-        "@V_W_O2 t_165'": 2,
-        "@V_W_O2 t_45'": 2,
-        "@V_W_O2' W_V'": 2,
-        "@V_W_O2' W_V' N_1'": 2,
-        "@V_W_Q1' N_1'": 2,
-        "@V_W_Q2' N_1'": 2,
-        '@V_W_V W_O1': 2,
-        '@V_W_V W_O2': 2,
-        "@V_W_V' N_1'": 6,
-        "@V_W_V' N_1' A1'": 2,
-        "@V_W_V' N_1' A2'": 2,
-        "@t_104 W_O1'": 2,
-        "@t_104 W_O2'": 2,
-        "@t_104' A1": 2,
-        "@t_104' A1 N_1": 2,
-        "@t_104' A2": 2,
-        "@t_104' A2 N_1": 2,
-        '@t_117 N_1': 3,
-        '@t_117 N_1 W_V': 2,
-        "@t_117' t_45": 2,
-        '@t_121 N_1': 3,
-        '@t_121 N_1 W_V': 2,
-        "@t_121' t_45": 2,
-        "@t_134 W_O1'": 2,
-        "@t_134 W_O2'": 2,
-        "@t_134' A1": 2,
-        "@t_134' A1 N_1": 2,
-        "@t_134' A2": 2,
-        "@t_134' A2 N_1": 2,
-        '@t_169 N_1': 3,
-        '@t_169 N_1 W_V': 2,
-        "@t_169' t_165": 2,
-        '@t_173 N_1': 3,
-        '@t_173 N_1 W_V': 2,
-        "@t_173' t_165": 2,
-        "@t_194 W_O1'": 2,
-        "@t_194 W_O2'": 2,
-        "@t_194' A1": 2,
-        "@t_194' A1 N_1": 2,
-        "@t_194' A2": 2,
-        "@t_194' A2 N_1": 2,
-        'A1 N_1': 20,
-        'A1 N_1 W_V': 9,
-        "A1' t_165": 2,
-        "A1' t_45": 5,
-        'A2 N_1': 20,
-        'A2 N_1 W_V': 9,
-        "A2' t_165": 2,
-        "A2' t_45": 5,
-        "G W_2'": 2,
-        'N_1 @V_W_V W_O1': 2,
-        'N_1 @V_W_V W_O2': 2,
-        'N_1 W_K': 2,
-        'N_1 W_Q1': 2,
-        'N_1 W_Q2': 2,
-        'N_1 W_V': 49,
-        'N_1 W_V W_O1': 12,
-        'N_1 W_V W_O2': 12,
-        "N_1' @t_117' t_45": 2,
-        "N_1' @t_121' t_45": 2,
-        "N_1' @t_169' t_165": 2,
-        "N_1' @t_173' t_165": 2,
-        "N_1' A1' t_165": 2,
-        "N_1' A1' t_45": 4,
-        "N_1' A2' t_165": 2,
-        "N_1' A2' t_45": 4,
-        "W_O1 t_165'": 3,
-        "W_O1 t_28'": 2,
-        "W_O1 t_45'": 5,
-        "W_O1' W_V'": 13,
-        "W_O2 t_165'": 3,
-        "W_O2 t_28'": 2,
-        "W_O2 t_45'": 5,
-        "W_O2' W_V'": 13,
-    }
-
-    @leaf
-    def t(s):
-        return (s.X * s.X)
-
-    @leaf
-    def one(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
-    def ms_N_1(s):
-        return (1/s.d_V) * s.mm('t one', s.t, s.one)
-
-    @leaf
-    def R_N_1(s):
-        return ((lin((1, s.ms_N_1), (1/1000000, ones((s.L, s.d_V), s.like)))) ** -0.5)
-
-    @leaf
-    def N_1(s):
-        return (s.R_N_1 * s.X)
-
-    @leaf
-    def t_2(s):
-        return ((s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)) * tr(s.C)))
-
-    @leaf
-    def t_3(s):
-        return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
-
-    @leaf
-    def t_4(s):
-        return s.mm('Y one', s.Y, s.one)
-
-    @leaf
-    def t_5(s):
-        return bcast_last(s.t_4, s.d_V)
-
-    @leaf
-    def t_6(s):
-        return tr(s.t_3)
-
-    @leaf
-    def t_7(s):
-        return tr(s.t_2)
-
-    @leaf
-    def t_8(s):
-        return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_9(s):
-        return ((s.mm('N_1 W_Q1', s.N_1, s.W_Q1) * s.C) + (s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R) * s.S))
-
-    @leaf
-    def t_10(s):
-        return ((s.mm('N_1 W_Q2', s.N_1, s.W_Q2) * s.C) + (s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R) * s.S))
-
-    @leaf
-    def T1(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_9 t_7'", s.t_9, tr(s.t_7))
-
-    @leaf
-    def A1(s):
-        return softmax_rows(s.T1)
-
-    @leaf
-    def T2(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_10 t_7'", s.t_10, tr(s.t_7))
-
-    @leaf
-    def A2(s):
-        return softmax_rows(s.T2)
-
-    @leaf
-    def Y_2(s):
-        return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
-
-    @leaf
-    def t_11(s):
-        return (s.Y_2 * s.Y_2)
-
-    @leaf
-    def ms_N_2(s):
-        return (1/s.d_V) * s.mm('t_11 one', s.t_11, s.one)
-
-    @leaf
-    def t_12(s):
-        return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
-
-    @leaf
-    def R_N_2(s):
-        return (s.t_12 ** -0.5)
-
-    @leaf
-    def N_2(s):
-        return (s.R_N_2 * s.Y_2)
-
-    @leaf
-    def t_13(s):
-        return s.mm('N_2 W_1', s.N_2, s.W_1)
-
-    @leaf
-    def t_14(s):
-        return sigmoid(s.t_13)
-
-    @leaf
-    def t_15(s):
-        return ((1.0 - s.t_14) * s.t_14)
-
-    @leaf
-    def t_16(s):
-        return s.mm('N_2 W_3', s.N_2, s.W_3)
-
-    @leaf
-    def t_17(s):
-        return mul(s.t_14, s.t_13, s.t_16)
-
-    @leaf
-    def F(s):
-        return (s.mm('t_17 W_2', s.t_17, s.W_2) + s.Y_2)
-
-    @leaf
-    def t_18(s):
-        return softmax_rows(s.F)
-
-    @leaf
-    def G(s):
-        return lin((1/s.L, s.t_4, s.t_18), (-1/s.L, s.Y))
-
-    @leaf
-    def t_19(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_20(s):
-        return (mul(s.t_15, s.t_19, s.t_13, s.t_16) + mul(s.t_14, s.t_19, s.t_16))
-
-    @leaf
-    def t_21(s):
-        return mul(s.t_14, s.t_19, s.t_13)
-
-    @leaf
-    def t_22(s):
-        return (s.mm("t_20 W_1'", s.t_20, tr(s.W_1)) + s.mm("t_21 W_3'", s.t_21, tr(s.W_3)))
-
-    @leaf
-    def t_23(s):
-        return (1/math.sqrt(s.d_K)) * s.t_22
-
-    @leaf
-    def t_24(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22
-
-    @leaf
-    def t_25(s):
-        return (-0.5 * (s.t_12 ** -1.5))
-
-    @leaf
-    def t_26(s):
-        return mul(s.t_24, s.t_25, s.Y_2)
-
-    @leaf
-    def t_27(s):
-        return s.mm('t_26 one', s.t_26, s.one)
-
-    @leaf
-    def t_28(s):
-        return lin((1, s.t_23, s.R_N_2), (1, s.t_27, s.Y_2), (1/math.sqrt(s.d_K), s.G))
-
-    @leaf
-    def t_29(s):
-        return softmax_diff(s.A1, s.mm("t_28 W_O1' W_V' N_1'", s.t_28, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_30(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
-
-    @leaf
-    def t_31(s):
-        return s.mm("t_28 W_O1'", s.t_28, tr(s.W_O1))
-
-    @leaf
-    def t_32(s):
-        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
-
-    @leaf
-    def t_33(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
-
-    @leaf
-    def t_34(s):
-        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
-
-    @leaf
-    def t_35(s):
-        return (s.t_14 * s.t_13)
-
-    @leaf
-    def t_36(s):
-        return tr(s.t_8)
-
-    @leaf
-    def t_37(s):
-        return softmax_diff(s.A2, s.mm("t_28 W_O2' W_V' N_1'", s.t_28, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_38(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
-
-    @leaf
-    def t_39(s):
-        return s.mm("t_28 W_O2'", s.t_28, tr(s.W_O2))
-
-    @leaf
-    def t_40(s):
-        return tr(s.t_9)
-
-    @leaf
-    def t_41(s):
-        return tr(s.t_10)
-
-    @leaf
-    def t_42(s):
-        return (2/s.d_V) * s.t_22
-
-    @leaf
-    def t_43(s):
-        return mul(s.t_42, s.t_25, s.Y_2)
-
-    @leaf
-    def t_44(s):
-        return s.mm('t_43 one', s.t_43, s.one)
-
-    @leaf
-    def t_45(s):
-        return lin((1, s.t_22, s.R_N_2), (1, s.t_44, s.Y_2), (1, s.G))
-
-    @leaf
-    def t_46(s):
-        return s.mm("t_45 W_O1'", s.t_45, tr(s.W_O1))
-
-    @leaf
-    def t_47(s):
-        return s.mm("t_45 W_O2'", s.t_45, tr(s.W_O2))
-
-    @leaf
-    def t_48(s):
-        return s.mm("A1' t_45", tr(s.A1), s.t_45)
-
-    @leaf
-    def t_49(s):
-        return s.mm("A2' t_45", tr(s.A2), s.t_45)
-
-    @leaf
-    def t_50(s):
-        return tr(s.t_32)
-
-    @leaf
-    def t_51(s):
-        return tr(s.t_34)
-
-    @leaf
-    def t_52(s):
-        return tr(s.t_17)
-
-    @leaf
-    def t_53(s):
-        return (s.t_25 * s.Y_2)
-
-    @leaf
-    def t_54(s):
-        return mul(s.t_15, s.t_13, s.t_16)
-
-    @leaf
-    def t_55(s):
-        return (s.t_14 * s.t_16)
-
-    @leaf
-    def t_56(s):
-        return softmax_rows(s.F)
-
-    @leaf
-    def t_57(s):
-        return mul(((2.0 * s.t_14) - 1.0), (s.t_14 - 1.0), s.t_14)
-
-    @leaf
-    def t_58(s):
-        return mul(s.t_57, s.t_19, s.t_13, s.t_16)
-
-    @leaf
-    def t_59(s):
-        return mul(s.t_15, s.t_19, s.t_16)
-
-    @leaf
-    def t_60(s):
-        return mul(s.t_15, s.t_19, s.t_13)
-
-    @leaf
-    def t_61(s):
-        return (s.t_14 * s.t_19)
-
-    @leaf
-    def t_62(s):
-        return (s.t_24 * s.t_25)
-
-    @leaf
-    def t_63(s):
-        return (0.75 * (s.t_12 ** -2.5))
-
-    @leaf
-    def t_64(s):
-        return mul(s.t_24, s.t_63, s.Y_2)
-
-    @leaf
-    def t_65(s):
-        return bcast_last(s.t_27, s.d_V)
-
-    @leaf
-    def t_66(s):
-        return (s.t_23 * s.t_25)
-
-    @leaf
-    def t_67(s):
-        return (1/math.sqrt(s.d_K)) * s.t_45
-
-    @leaf
-    def t_68(s):
-        return softmax_diff(s.A1, s.mm("t_67 W_O1' W_V' N_1'", s.t_67, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_69(s):
-        return (s.t_42 * s.t_25)
-
-    @leaf
-    def t_70(s):
-        return mul(s.t_42, s.t_63, s.Y_2)
-
-    @leaf
-    def t_71(s):
-        return bcast_last(s.t_44, s.d_V)
-
-    @leaf
-    def t_72(s):
-        return (s.t_22 * s.t_25)
-
-    @leaf
-    def t_73(s):
-        return softmax_diff(s.A2, s.mm("t_67 W_O2' W_V' N_1'", s.t_67, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def one_2(s):
-        return ones((1, s.L), s.like)
-
-    @leaf
-    def t_74(s):
-        return log_softmax_rows(s.F)
-
-    @leaf
-    def t_75(s):
-        return (s.t_74 * s.Y)
-
-    @leaf
-    def t_76(s):
-        return s.mm('one_2 t_75 one', s.one_2, s.t_75, s.one)
-
-    @leaf
-    def t_77(s):
-        return s.mm("t_29 t_2'", s.t_29, tr(s.t_2))
-
-    @leaf
-    def t_78(s):
-        return (s.t_77 * s.C)
-
-    @leaf
-    def t_79(s):
-        return (s.t_77 * s.S)
-
-    @leaf
-    def t_80(s):
-        return s.mm("t_37 t_2'", s.t_37, tr(s.t_2))
-
-    @leaf
-    def t_81(s):
-        return (s.t_80 * s.C)
-
-    @leaf
-    def t_82(s):
-        return (s.t_80 * s.S)
-
-    @leaf
-    def t_83(s):
-        return s.mm("t_68' t_40'", tr(s.t_68), tr(s.t_40))
-
-    @leaf
-    def t_84(s):
-        return s.mm("t_73' t_41'", tr(s.t_73), tr(s.t_41))
-
-    @leaf
-    def t_85(s):
-        return (s.t_83 + s.t_84)
-
-    @leaf
-    def t_86(s):
-        return (s.t_85 * s.S)
-
-    @leaf
-    def t_87(s):
-        return (s.t_85 * s.C)
-
-    @leaf
-    def t_88(s):
-        return (s.t_54 + s.t_55)
-
-    @leaf
-    def t_114(s):
-        return s.mm("t_45 W_O1' W_V' N_1'", s.t_45, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_116(s):
-        return lin((1, s.t_58), (2, s.t_59))
-
-    @leaf
-    def t_127(s):
-        return (s.t_60 + s.t_61)
-
-    @leaf
-    def t_138(s):
-        return softmax_diff(s.A1, s.t_114)
-
-    @leaf
-    def t_140(s):
-        return s.mm("t_45 W_O2' W_V' N_1'", s.t_45, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_145(s):
-        return softmax_diff(s.A2, s.t_140)
-
-    @leaf
-    def t_148(s):
-        return (tr(s.t_14) * tr(s.t_13))
-
-    @leaf
-    def t_153(s):
-        return (s.t_4 * s.t_18)
-
-    @leaf
-    def t_154(s):
-        return (s.t_153 - s.Y)
-
-    @leaf
-    def t_155(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_156(s):
-        return mul(s.t_15, s.t_155, s.t_13, s.t_16)
-
-    @leaf
-    def t_157(s):
-        return mul(s.t_14, s.t_155, s.t_16)
-
-    @leaf
-    def t_158(s):
-        return (s.t_156 + s.t_157)
-
-    @leaf
-    def t_159(s):
-        return s.mm("t_158 W_1'", s.t_158, tr(s.W_1))
-
-    @leaf
-    def t_160(s):
-        return mul(s.t_14, s.t_155, s.t_13)
-
-    @leaf
-    def t_161(s):
-        return s.mm("t_160 W_3'", s.t_160, tr(s.W_3))
-
-    @leaf
-    def t_162(s):
-        return (s.t_159 + s.t_161)
-
-    @leaf
-    def t_163(s):
-        return mul((2/s.d_V) * s.t_162, s.t_25, s.Y_2)
-
-    @leaf
-    def t_164(s):
-        return s.mm('t_163 one', s.t_163, s.one)
-
-    @leaf
-    def t_165(s):
-        return lin((1/s.L, s.t_154), (1, s.t_162, s.R_N_2), (1, s.t_164, s.Y_2))
-
-    @leaf
-    def t_166(s):
-        return s.mm("t_165 W_O1' W_V' N_1'", s.t_165, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_168(s):
-        return lin((1, mul(s.t_57, s.t_155, s.t_13), s.t_16), (2, (s.t_15 * s.t_155), s.t_16))
-
-    @leaf
-    def t_184(s):
-        return mul(s.t_15, s.t_155, s.t_13)
-
-    @leaf
-    def t_185(s):
-        return (s.t_14 * s.t_155)
-
-    @leaf
-    def t_186(s):
-        return (s.t_184 + s.t_185)
-
-    @leaf
-    def t_190(s):
-        return (s.t_162 * s.t_25)
-
-    @leaf
-    def t_191(s):
-        return ((2/s.d_V) * s.t_162 * s.t_25)
-
-    @leaf
-    def t_192(s):
-        return mul((2/s.d_V) * s.t_162, s.t_63, s.Y_2)
-
-    @leaf
-    def t_198(s):
-        return softmax_diff(s.A1, s.t_166)
-
-    @leaf
-    def t_200(s):
-        return s.mm("t_165 W_O2' W_V' N_1'", s.t_165, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_205(s):
-        return softmax_diff(s.A2, s.t_200)
-
-    @leaf
-    def S_2(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_2', [
-            net(1/(s.L*s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/(s.L*s.d_K), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def dA(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.A1, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.A1, s.A1),
-        ])
-
-    @leaf
-    def S_3(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
-        ])
-
-    @leaf
-    def S_4(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_4', [
-            net(1, 'nab->nab', s.t_54),
-            net(1, 'nab->nab', s.t_55),
-        ])
-
-    @leaf
-    def S_5(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_5', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_35),
-        ])
-
-    @leaf
-    def S_6(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_6', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_3, s.S_5, s.W_2),
-        ])
-
-    @leaf
-    def dA_2(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_56, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_56, s.t_56),
-        ])
-
-    @leaf
-    def S_7(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_7', [
-            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_35, s.W_3),
-        ])
-
-    @leaf
-    def S_8(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_53, ONES, s.Y_2),
-        ])
-
-    @leaf
-    def S_9(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_9', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
-        ])
-
-    @leaf
-    def S_10(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->abc', s.S, s.R),
-        ])
-
-    @leaf
-    def S_11(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_11', [
-            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_12(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_12', [
-            net(1, 'nab->nab', s.t_58),
-            net(2, 'nab->nab', s.t_59),
-        ])
-
-    @leaf
-    def S_13(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_13', [
-            net(1, 'nab->nab', s.t_60),
-            net(1, 'nab->nab', s.t_61),
-        ])
-
-    @leaf
-    def S_14(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_14', [
-            net(1, 'nab,cb->nabc', s.S_12, s.W_1),
-            net(1, 'nab,cb->nabc', s.S_13, s.W_3),
-        ])
-
-    @leaf
-    def S_15(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_15', [
-            net(1, 'ab,ncbd->ncad', s.W_1, s.S_14),
-            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_13, s.W_1),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_8),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (4 networks)."""
-        return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
-            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
-        ])
-
-    @leaf
-    def d2A(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_29, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_29),
-        ])
-
-    @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_6, s.dA),
-            net(1, 'nabc->nabc', s.d2A),
-        ])
-
-    @leaf
-    def dA_3(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA_3', [
-            net(1, 'nab,bc->nabc', s.A2, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.A2, s.A2),
-        ])
-
-    @leaf
-    def S_19(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
-            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->bac', s.S, s.R),
-        ])
-
-    @leaf
-    def S_20(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_21(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_21', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/(s.L*math.sqrt(s.d_K)), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_22(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_22', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_12),
-            net(1, 'ab,ncb->ncab', s.W_3, s.S_13),
-        ])
-
-    @leaf
-    def d2A_2(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_37, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_37, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_37),
-        ])
-
-    @leaf
-    def S_23(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3),
-            net(1, 'nabc->nabc', s.d2A_2),
-        ])
-
-    @leaf
-    def d2A_3(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_68, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_68),
-        ])
-
-    @leaf
-    def S_24(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_69, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_70, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_8),
-        ])
-
-    @leaf
-    def S_25(s):
-        """A sum as a compact tensor (4 networks)."""
-        return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_72, ONES, s.Y_2),
-            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
-        ])
-
-    @leaf
-    def d2A_4(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_73, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_73, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_73),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_26', [
-            net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_27', [
-            net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_26, s.S_5, s.W_2),
-        ])
-
-    @leaf
-    def S_28(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_28', [
-            net(1/s.L, 'nab->nab', s.t_54),
-            net(1/s.L, 'nab->nab', s.t_55),
-        ])
-
-    @leaf
-    def S_29(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_29', [
-            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
-        ])
-
-    def block__W_Q1__W_Q1__outer(s):
-        """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q1__functional(s):
-        """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q2__outer(s):
-        """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q2__functional(s):
-        """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_K__outer(s):
-        """H_o(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def block__W_Q1__W_K__functional(s):
-        """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_29, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_V__outer(s):
-        """H_o(W_Q1, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_Q1__W_V__functional(s):
-        """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31),
-        ]
-
-    def block__W_Q1__W_O1__outer(s):
-        """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_Q1__W_O1__functional(s):
-        """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.W_O1, s.S_17, s.t_32),
-        ]
-
-    def block__W_Q1__W_O2__outer(s):
-        """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_Q1__W_O2__functional(s):
-        """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_34),
-        ]
-
-    def block__W_Q1__W_1__outer(s):
-        """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_Q1__W_1__functional(s):
-        """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_Q1__W_3__outer(s):
-        """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_Q1__W_3__functional(s):
-        """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_Q1__W_2__outer(s):
-        """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_Q1__W_2__functional(s):
-        """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_Q2__W_Q2__outer(s):
-        """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_Q2__functional(s):
-        """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_23, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_K__outer(s):
-        """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def block__W_Q2__W_K__functional(s):
-        """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_37, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_V__outer(s):
-        """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_Q2__W_V__functional(s):
-        """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_38, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_38, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39),
-        ]
-
-    def block__W_Q2__W_O1__outer(s):
-        """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_Q2__W_O1__functional(s):
-        """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_32),
-        ]
-
-    def block__W_Q2__W_O2__outer(s):
-        """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_Q2__W_O2__functional(s):
-        """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.W_O2, s.S_17, s.t_34),
-        ]
-
-    def block__W_Q2__W_1__outer(s):
-        """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_Q2__W_1__functional(s):
-        """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_Q2__W_3__outer(s):
-        """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_Q2__W_3__functional(s):
-        """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_Q2__W_2__outer(s):
-        """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_Q2__W_2__functional(s):
-        """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def block__W_K__W_K__functional(s):
-        """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_40, s.d2A_3, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_41, s.d2A_4, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_K__W_V__functional(s):
-        """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_30, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_30, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_46),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_38, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_38, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_47),
-        ]
-
-    def block__W_K__W_O1__outer(s):
-        """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_K__W_O1__functional(s):
-        """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA, s.t_33, s.t_45),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_33, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_32),
-        ]
-
-    def block__W_K__W_O2__outer(s):
-        """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_K__W_O2__functional(s):
-        """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_34),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_33, s.t_45),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_33, s.W_O2, s.S_25, s.t_34),
-        ]
-
-    def block__W_K__W_1__outer(s):
-        """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_K__W_1__functional(s):
-        """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_K__W_3__outer(s):
-        """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_K__W_3__functional(s):
-        """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_K__W_2__outer(s):
-        """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_K__W_2__functional(s):
-        """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_V__W_V__functional(s):
-        """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_25, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_V__W_O1__outer(s):
-        """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_V__W_O1__functional(s):
-        """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
-        ]
-
-    def block__W_V__W_O2__outer(s):
-        """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_V__W_O2__functional(s):
-        """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_49, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_34),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_34),
-        ]
-
-    def block__W_V__W_1__outer(s):
-        """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_V__W_1__functional(s):
-        """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_V__W_3__outer(s):
-        """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_V__W_3__functional(s):
-        """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_V__W_2__outer(s):
-        """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_V__W_2__functional(s):
-        """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_O1__W_O1__outer(s):
-        """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_O1__W_O1__functional(s):
-        """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_25, s.t_32),
-        ]
-
-    def block__W_O1__W_O2__outer(s):
-        """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_O1__W_O2__functional(s):
-        """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_25, s.t_34),
-        ]
-
-    def block__W_O1__W_1__outer(s):
-        """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_O1__W_1__functional(s):
-        """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_50, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_O1__W_3__outer(s):
-        """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_O1__W_3__functional(s):
-        """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_50, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_O1__W_2__outer(s):
-        """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_50, s.S_27, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_O1__W_2__functional(s):
-        """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_50, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_O2__W_O2__outer(s):
-        """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_O2__W_O2__functional(s):
-        """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_51, s.S_25, s.t_34),
-        ]
-
-    def block__W_O2__W_1__outer(s):
-        """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_O2__W_1__functional(s):
-        """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_51, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_51, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_O2__W_3__outer(s):
-        """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_O2__W_3__functional(s):
-        """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_51, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_51, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_O2__W_2__outer(s):
-        """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_51, s.S_27, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_O2__W_2__functional(s):
-        """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_51, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_1__W_1__outer(s):
-        """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_1__W_1__functional(s):
-        """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_12, s.N_2),
-        ]
-
-    def block__W_1__W_3__outer(s):
-        """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_1__W_3__functional(s):
-        """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_13, s.N_2),
-        ]
-
-    def block__W_1__W_2__outer(s):
-        """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_1__W_2__functional(s):
-        """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff] + diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff])"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.S_4, s.G),
-        ]
-
-    def block__W_3__W_3__outer(s):
-        """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_3__W_2__outer(s):
-        """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_3__W_2__functional(s):
-        """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_35, s.G),
-        ]
-
-    def block__W_2__W_2__outer(s):
-        """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_52, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def jacobian__W_Q1(s):
-        """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def jacobian__W_Q2(s):
-        """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def jacobian__W_K(s):
-        """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def jacobian__W_V(s):
-        """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
-            net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def jacobian__W_O1(s):
-        """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
-        ]
-
-    def jacobian__W_O2(s):
-        """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_34),
-        ]
-
-    def jacobian__W_1(s):
-        """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.S_4, s.N_2),
-        ]
-
-    def jacobian__W_3(s):
-        """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_35, s.N_2),
-        ]
-
-    def jacobian__W_2(s):
-        """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nab->n|ac|bc', s.t_17, free={'c': s.d_V}),
-        ]
-
-    def loss(s):
-        """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_76, True)[..., 0, 0]
-
-    def gradient(s):
-        """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_78", tr(s.N_1), s.t_78), (1, "N_1' t_79 R'", tr(s.N_1), s.t_79, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_81", tr(s.N_1), s.t_81), (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_86 R'", tr(s.N_1), s.t_86, tr(s.R)), (1, "N_1' t_87", tr(s.N_1), s.t_87), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_45 W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(s.W_O1)), (1, "N_1' A2' t_45 W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_45", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_45, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_45", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_45, mean=True)
-        out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
-        out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
-        out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_89 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_90 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_40' @t_89", tr(s.t_40), t_89)), (1/math.sqrt(s.d_K), s.prod("@t_90 t_7'", t_90, tr(s.t_7))))
-        t_92 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_93 = lin((1/math.sqrt(s.d_K), s.prod("@t_92 t_7'", t_92, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_41' @t_89", tr(s.t_41), t_89)))
-        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_95 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
-        t_96 = lin((1, s.prod('@t_95 W_1', t_95, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_97 = lin((1, s.prod('@t_95 W_3', t_95, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_98 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_88 * t_96) + (s.t_35 * t_97)), s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
-        t_99 = (s.t_4 * softmax_diff(s.t_56, t_98))
-        t_100 = s.mm("@t_99 W_2'", t_99, tr(s.W_2))
-        t_101 = ((1/s.L) * s.t_88 * t_100)
-        t_102 = (s.t_35 * t_100)
-        t_103 = lin((1, s.prod("@t_101 W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("@t_102 W_3'", t_102, tr(s.W_3))))
-        t_104 = lin((1, t_103, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_53 * t_103), s.one), s.Y_2), (1/s.L, t_99))
-        t_105 = softmax_diff(s.A1, s.mm("@t_104 W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_106 = s.mm("@t_105 t_2'", t_105, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), mean=True)
-        t_107 = softmax_diff(s.A2, s.mm("@t_104 W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_108 = s.mm("@t_107 t_2'", t_107, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_108 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
-        t_109 = lin((1, s.prod("@t_105' t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("@t_107' t_41'", tr(t_107), tr(s.t_41))))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_109 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_109 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_104 W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' @t_104 W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
-        out_W_1 = s.mm("N_2' @t_101", tr(s.N_2), t_101, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' @t_102", tr(s.N_2), t_102, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' @t_99", tr(s.t_17), t_99, mean=True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_110 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_111 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_112 = lin((1, s.prod("t_40' @t_110", tr(s.t_40), t_110)), (1, s.prod("@t_111 t_7'", t_111, tr(s.t_7))))
-        t_113 = (1/math.sqrt(s.d_K)) * t_112
-        t_115 = softmax_diff2(s.A1, t_113, s.t_114)
-        t_117 = softmax_diff(s.A1, t_113)
-        t_118 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_119 = lin((1, s.prod("@t_118 t_7'", t_118, tr(s.t_7))), (1, s.prod("t_41' @t_110", tr(s.t_41), t_110)))
-        t_120 = (1/math.sqrt(s.d_K)) * t_119
-        t_121 = softmax_diff(s.A2, t_120)
-        t_122 = lin((1, s.mm_sum('r', (1, '@t_117 N_1 W_V W_O1', t_117, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_121 N_1 W_V W_O2', t_121, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_123 = s.mm('_ one', (t_122 * s.Y_2), s.one)
-        t_124 = (t_123 * s.t_53)
-        t_125 = lin((1, t_122, s.R_N_2), (2/s.d_V, t_124))
-        t_126 = lin((1, s.prod('@t_125 W_1', t_125, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_128 = lin((1, s.prod('@t_125 W_3', t_125, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_129 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
-        t_130 = lin((1, s.t_116, t_126), (1, s.t_127, t_128), (1, s.t_88, t_129))
-        t_131 = ((s.t_127 * t_126) + (s.t_35 * t_129))
-        t_132 = lin((1, s.prod("@t_130 W_1'", t_130, tr(s.W_1))), (1, s.prod("@t_131 W_3'", t_131, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
-        t_133 = lin((1, s.t_69, t_122), (2/s.d_V, s.t_53, t_132), (2/s.d_V, t_123, s.t_70))
-        t_134 = lin((1, t_132, s.R_N_2), (2/s.d_V, t_123, s.t_72), (1, s.t_44, t_122), (1, s.mm('@t_133 one', t_133, s.one), s.Y_2))
-        t_135 = s.mm_sum('r', (1, "@t_134 W_O1' W_V' N_1'", t_134, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O1' W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' @V_W_V' N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_136 = softmax_diff(s.A1, t_135)
-        t_137 = (t_115 + t_136)
-        t_139 = lin((1, s.prod("@t_137 t_2'", t_137, tr(s.t_2))), (1, s.prod("t_138 @t_110'", s.t_138, tr(t_110))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_139 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_139 * s.C)), mean=True)
-        t_141 = softmax_diff2(s.A2, t_120, s.t_140)
-        t_142 = s.mm_sum('r', (1, "@t_134 W_O2' W_V' N_1'", t_134, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' @V_W_V' N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_45 @V_W_O2' W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_143 = softmax_diff(s.A2, t_142)
-        t_144 = (t_141 + t_143)
-        t_146 = lin((1, s.prod("@t_144 t_2'", t_144, tr(s.t_2))), (1, s.prod("t_145 @t_110'", s.t_145, tr(t_110))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_146 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_146 * s.S), tr(s.R)), mean=True)
-        t_147 = lin((1, s.prod("@t_137' t_40'", tr(t_137), tr(s.t_40))), (1, s.prod("@t_144' t_41'", tr(t_144), tr(s.t_41))), (1, s.prod("t_138' @t_111", tr(s.t_138), t_111)), (1, s.prod("t_145' @t_118", tr(s.t_145), t_118)))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_147 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_117' t_45 W_O1'", tr(s.N_1), tr(t_117), s.t_45, tr(s.W_O1)), (1, "N_1' A1' t_45 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A1' @t_134 W_O1'", tr(s.N_1), tr(s.A1), t_134, tr(s.W_O1)), (1, "N_1' @t_121' t_45 W_O2'", tr(s.N_1), tr(t_121), s.t_45, tr(s.W_O2)), (1, "N_1' A2' @t_134 W_O2'", tr(s.N_1), tr(s.A2), t_134, tr(s.W_O2)), (1, "N_1' A2' t_45 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' @t_117' t_45", tr(s.W_V), tr(s.N_1), tr(t_117), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' @t_134", tr(s.W_V), tr(s.N_1), tr(s.A1), t_134, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' @t_121' t_45", tr(s.W_V), tr(s.N_1), tr(t_121), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' @t_134", tr(s.W_V), tr(s.N_1), tr(s.A2), t_134, mean=True)))
-        out_W_1 = (s.mm("@t_125' t_20", tr(t_125), s.t_20, mean=True) + s.mm("N_2' @t_130", tr(s.N_2), t_130, mean=True))
-        out_W_3 = (s.mm("@t_125' t_21", tr(t_125), s.t_21, mean=True) + s.mm("N_2' @t_131", tr(s.N_2), t_131, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_126)) + (s.t_148 * tr(t_128))), s.G, mean=True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_149 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_150 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_151 = lin((1, s.prod("t_40' @t_149", tr(s.t_40), t_149)), (1, s.prod("@t_150 t_7'", t_150, tr(s.t_7))))
-        t_152 = (1/math.sqrt(s.d_K)) * t_151
-        t_167 = softmax_diff2(s.A1, t_152, s.t_166)
-        t_169 = softmax_diff(s.A1, t_152)
-        t_170 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_171 = lin((1, s.prod("@t_170 t_7'", t_170, tr(s.t_7))), (1, s.prod("t_41' @t_149", tr(s.t_41), t_149)))
-        t_172 = (1/math.sqrt(s.d_K)) * t_171
-        t_173 = softmax_diff(s.A2, t_172)
-        t_174 = lin((1, s.mm_sum('r', (1, '@t_169 N_1 W_V W_O1', t_169, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_173 N_1 W_V W_O2', t_173, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_175 = s.mm('_ one', (t_174 * s.Y_2), s.one)
-        t_176 = (t_175 * s.t_53)
-        t_177 = lin((1, t_174, s.R_N_2), (2/s.d_V, t_176))
-        t_178 = lin((1, s.prod('@t_177 W_1', t_177, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_179 = lin((1, s.prod('@t_177 W_3', t_177, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_180 = ((s.t_88 * t_178) + (s.t_35 * t_179))
-        t_181 = lin((1, t_174), (1, s.prod('@t_180 W_2', t_180, s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
-        t_182 = (s.t_4 * softmax_diff(s.t_18, t_181))
-        t_183 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_182 W_2'", t_182, tr(s.W_2))))
-        t_187 = lin((1, s.t_168, t_178), (1, s.t_88, t_183), (1, s.t_186, t_179))
-        t_188 = ((s.t_186 * t_178) + (s.t_35 * t_183))
-        t_189 = lin((1, s.prod("@t_187 W_1'", t_187, tr(s.W_1))), (1, s.prod("@t_188 W_3'", t_188, tr(s.W_3))), (1, s.prod("t_158 @V_W_1'", s.t_158, tr(V_W_1))), (1, s.prod("t_160 @V_W_3'", s.t_160, tr(V_W_3))))
-        t_193 = lin((1, s.t_191, t_174), (2/s.d_V, s.t_53, t_189), (2/s.d_V, t_175, s.t_192))
-        t_194 = lin((1, t_189, s.R_N_2), (2/s.d_V, t_175, s.t_190), (1, s.t_164, t_174), (1, s.mm('@t_193 one', t_193, s.one), s.Y_2), (1/s.L, t_182))
-        t_195 = s.mm_sum('r', (1, "@t_194 W_O1' W_V' N_1'", t_194, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_165 W_O1' @V_W_V' N_1'", s.t_165, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_165 @V_W_O1' W_V' N_1'", s.t_165, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_196 = softmax_diff(s.A1, t_195)
-        t_197 = (t_167 + t_196)
-        t_199 = lin((1, s.prod("@t_197 t_2'", t_197, tr(s.t_2))), (1, s.prod("t_198 @t_149'", s.t_198, tr(t_149))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_199 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), mean=True)
-        t_201 = softmax_diff2(s.A2, t_172, s.t_200)
-        t_202 = s.mm_sum('r', (1, "@t_194 W_O2' W_V' N_1'", t_194, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_165 W_O2' @V_W_V' N_1'", s.t_165, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_165 @V_W_O2' W_V' N_1'", s.t_165, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_203 = softmax_diff(s.A2, t_202)
-        t_204 = (t_201 + t_203)
-        t_206 = lin((1, s.prod("@t_204 t_2'", t_204, tr(s.t_2))), (1, s.prod("t_205 @t_149'", s.t_205, tr(t_149))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_206 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_206 * s.C)), mean=True)
-        t_207 = lin((1, s.prod("@t_197' t_40'", tr(t_197), tr(s.t_40))), (1, s.prod("@t_204' t_41'", tr(t_204), tr(s.t_41))), (1, s.prod("t_198' @t_150", tr(s.t_198), t_150)), (1, s.prod("t_205' @t_170", tr(s.t_205), t_170)))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_207 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_173' t_165 W_O2'", tr(s.N_1), tr(t_173), s.t_165, tr(s.W_O2)), (1, "N_1' A2' t_165 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_165, tr(V_W_O2)), (1, "N_1' A2' @t_194 W_O2'", tr(s.N_1), tr(s.A2), t_194, tr(s.W_O2)), (1, "N_1' A1' t_165 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_165, tr(V_W_O1)), (1, "N_1' A1' @t_194 W_O1'", tr(s.N_1), tr(s.A1), t_194, tr(s.W_O1)), (1, "N_1' @t_169' t_165 W_O1'", tr(s.N_1), tr(t_169), s.t_165, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_165", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_165), (1, "W_V' N_1' @t_169' t_165", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_165), mean=True)), (1, s.mm("W_V' N_1' A1' @t_194", tr(s.W_V), tr(s.N_1), tr(s.A1), t_194, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_165", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_165), (1, "W_V' N_1' @t_173' t_165", tr(s.W_V), tr(s.N_1), tr(t_173), s.t_165), mean=True)), (1, s.mm("W_V' N_1' A2' @t_194", tr(s.W_V), tr(s.N_1), tr(s.A2), t_194, mean=True)))
-        out_W_1 = (s.mm("@t_177' t_158", tr(t_177), s.t_158, mean=True) + s.mm("N_2' @t_187", tr(s.N_2), t_187, mean=True))
-        out_W_3 = (s.mm("@t_177' t_160", tr(t_177), s.t_160, mean=True) + s.mm("N_2' @t_188", tr(s.N_2), t_188, mean=True))
-        out_W_2 = lin((1, s.mm("@t_180' G", tr(t_180), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_182", tr(s.t_17), t_182, mean=True)))
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-
-class ce_causal1(Forward):
-    """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
-
-    PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "968ff24f428ecbf4e6c1c495"
-    RUNS = {
-        "@V_W_K' N_1'": 2,
-        "@V_W_O1 t_165'": 2,
-        "@V_W_O1 t_45'": 2,
-        "@V_W_O1' W_V'": 2,
-        "@V_W_O1' W_V' N_1'": 2,
-        "@V_W_O2 t_165'": 2,
-        "@V_W_O2 t_45'": 2,
-        "@V_W_O2' W_V'": 2,
-        "@V_W_O2' W_V' N_1'": 2,
-        "@V_W_Q1' N_1'": 2,
-        "@V_W_Q2' N_1'": 2,
-        '@V_W_V W_O1': 2,
-        '@V_W_V W_O2': 2,
-        "@V_W_V' N_1'": 6,
-        "@V_W_V' N_1' A1'": 2,
-        "@V_W_V' N_1' A2'": 2,
-        "@t_104 W_O1'": 2,
-        "@t_104 W_O2'": 2,
-        "@t_104' A1": 2,
-        "@t_104' A1 N_1": 2,
-        "@t_104' A2": 2,
-        "@t_104' A2 N_1": 2,
-        '@t_117 N_1': 3,
-        '@t_117 N_1 W_V': 2,
-        "@t_117' t_45": 2,
-        '@t_121 N_1': 3,
-        '@t_121 N_1 W_V': 2,
-        "@t_121' t_45": 2,
-        "@t_134 W_O1'": 2,
-        "@t_134 W_O2'": 2,
-        "@t_134' A1": 2,
-        "@t_134' A1 N_1": 2,
-        "@t_134' A2": 2,
-        "@t_134' A2 N_1": 2,
-        '@t_169 N_1': 3,
-        '@t_169 N_1 W_V': 2,
-        "@t_169' t_165": 2,
-        '@t_173 N_1': 3,
-        '@t_173 N_1 W_V': 2,
-        "@t_173' t_165": 2,
-        "@t_194 W_O1'": 2,
-        "@t_194 W_O2'": 2,
-        "@t_194' A1": 2,
-        "@t_194' A1 N_1": 2,
-        "@t_194' A2": 2,
-        "@t_194' A2 N_1": 2,
-        'A1 N_1': 20,
-        'A1 N_1 W_V': 9,
-        "A1' t_165": 2,
-        "A1' t_45": 5,
-        'A2 N_1': 20,
-        'A2 N_1 W_V': 9,
-        "A2' t_165": 2,
-        "A2' t_45": 5,
-        "G W_2'": 2,
-        'N_1 @V_W_V W_O1': 2,
-        'N_1 @V_W_V W_O2': 2,
-        'N_1 W_K': 2,
-        'N_1 W_Q1': 2,
-        'N_1 W_Q2': 2,
-        'N_1 W_V': 49,
-        'N_1 W_V W_O1': 12,
-        'N_1 W_V W_O2': 12,
-        "N_1' @t_117' t_45": 2,
-        "N_1' @t_121' t_45": 2,
-        "N_1' @t_169' t_165": 2,
-        "N_1' @t_173' t_165": 2,
-        "N_1' A1' t_165": 2,
-        "N_1' A1' t_45": 4,
-        "N_1' A2' t_165": 2,
-        "N_1' A2' t_45": 4,
-        "W_O1 t_165'": 3,
-        "W_O1 t_28'": 2,
-        "W_O1 t_45'": 5,
-        "W_O1' W_V'": 13,
-        "W_O2 t_165'": 3,
-        "W_O2 t_28'": 2,
-        "W_O2 t_45'": 5,
-        "W_O2' W_V'": 13,
-    }
-
-    @leaf
-    def t(s):
-        return (s.X * s.X)
-
-    @leaf
-    def one(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
-    def ms_N_1(s):
-        return (1/s.d_V) * s.mm('t one', s.t, s.one)
-
-    @leaf
-    def R_N_1(s):
-        return ((lin((1, s.ms_N_1), (1/1000000, ones((s.L, s.d_V), s.like)))) ** -0.5)
-
-    @leaf
-    def N_1(s):
-        return (s.R_N_1 * s.X)
-
-    @leaf
-    def t_2(s):
-        return ((s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)) * tr(s.C)))
-
-    @leaf
-    def t_3(s):
-        return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
-
-    @leaf
-    def t_4(s):
-        return s.mm('Y one', s.Y, s.one)
-
-    @leaf
-    def t_5(s):
-        return bcast_last(s.t_4, s.d_V)
-
-    @leaf
-    def t_6(s):
-        return tr(s.t_3)
-
-    @leaf
-    def t_7(s):
-        return tr(s.t_2)
-
-    @leaf
-    def t_8(s):
-        return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_9(s):
-        return ((s.mm('N_1 W_Q1', s.N_1, s.W_Q1) * s.C) + (s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R) * s.S))
-
-    @leaf
-    def t_10(s):
-        return ((s.mm('N_1 W_Q2', s.N_1, s.W_Q2) * s.C) + (s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R) * s.S))
-
-    @leaf
-    def T1(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_9 t_7'", s.t_9, tr(s.t_7))
-
-    @leaf
-    def A1(s):
-        return softmax_rows(s.T1, causal=True)
-
-    @leaf
-    def T2(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_10 t_7'", s.t_10, tr(s.t_7))
-
-    @leaf
-    def A2(s):
-        return softmax_rows(s.T2, causal=True)
-
-    @leaf
-    def Y_2(s):
-        return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
-
-    @leaf
-    def t_11(s):
-        return (s.Y_2 * s.Y_2)
-
-    @leaf
-    def ms_N_2(s):
-        return (1/s.d_V) * s.mm('t_11 one', s.t_11, s.one)
-
-    @leaf
-    def t_12(s):
-        return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
-
-    @leaf
-    def R_N_2(s):
-        return (s.t_12 ** -0.5)
-
-    @leaf
-    def N_2(s):
-        return (s.R_N_2 * s.Y_2)
-
-    @leaf
-    def t_13(s):
-        return s.mm('N_2 W_1', s.N_2, s.W_1)
-
-    @leaf
-    def t_14(s):
-        return sigmoid(s.t_13)
-
-    @leaf
-    def t_15(s):
-        return ((1.0 - s.t_14) * s.t_14)
-
-    @leaf
-    def t_16(s):
-        return s.mm('N_2 W_3', s.N_2, s.W_3)
-
-    @leaf
-    def t_17(s):
-        return mul(s.t_14, s.t_13, s.t_16)
-
-    @leaf
-    def F(s):
-        return (s.mm('t_17 W_2', s.t_17, s.W_2) + s.Y_2)
-
-    @leaf
-    def t_18(s):
-        return softmax_rows(s.F)
-
-    @leaf
-    def G(s):
-        return lin((1/s.L, s.t_4, s.t_18), (-1/s.L, s.Y))
-
-    @leaf
-    def t_19(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_20(s):
-        return (mul(s.t_15, s.t_19, s.t_13, s.t_16) + mul(s.t_14, s.t_19, s.t_16))
-
-    @leaf
-    def t_21(s):
-        return mul(s.t_14, s.t_19, s.t_13)
-
-    @leaf
-    def t_22(s):
-        return (s.mm("t_20 W_1'", s.t_20, tr(s.W_1)) + s.mm("t_21 W_3'", s.t_21, tr(s.W_3)))
-
-    @leaf
-    def t_23(s):
-        return (1/math.sqrt(s.d_K)) * s.t_22
-
-    @leaf
-    def t_24(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22
-
-    @leaf
-    def t_25(s):
-        return (-0.5 * (s.t_12 ** -1.5))
-
-    @leaf
-    def t_26(s):
-        return mul(s.t_24, s.t_25, s.Y_2)
-
-    @leaf
-    def t_27(s):
-        return s.mm('t_26 one', s.t_26, s.one)
-
-    @leaf
-    def t_28(s):
-        return lin((1, s.t_23, s.R_N_2), (1, s.t_27, s.Y_2), (1/math.sqrt(s.d_K), s.G))
-
-    @leaf
-    def t_29(s):
-        return softmax_diff(s.A1, s.mm("t_28 W_O1' W_V' N_1'", s.t_28, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_30(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
-
-    @leaf
-    def t_31(s):
-        return s.mm("t_28 W_O1'", s.t_28, tr(s.W_O1))
-
-    @leaf
-    def t_32(s):
-        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
-
-    @leaf
-    def t_33(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
-
-    @leaf
-    def t_34(s):
-        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
-
-    @leaf
-    def t_35(s):
-        return (s.t_14 * s.t_13)
-
-    @leaf
-    def t_36(s):
-        return tr(s.t_8)
-
-    @leaf
-    def t_37(s):
-        return softmax_diff(s.A2, s.mm("t_28 W_O2' W_V' N_1'", s.t_28, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_38(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
-
-    @leaf
-    def t_39(s):
-        return s.mm("t_28 W_O2'", s.t_28, tr(s.W_O2))
-
-    @leaf
-    def t_40(s):
-        return tr(s.t_9)
-
-    @leaf
-    def t_41(s):
-        return tr(s.t_10)
-
-    @leaf
-    def t_42(s):
-        return (2/s.d_V) * s.t_22
-
-    @leaf
-    def t_43(s):
-        return mul(s.t_42, s.t_25, s.Y_2)
-
-    @leaf
-    def t_44(s):
-        return s.mm('t_43 one', s.t_43, s.one)
-
-    @leaf
-    def t_45(s):
-        return lin((1, s.t_22, s.R_N_2), (1, s.t_44, s.Y_2), (1, s.G))
-
-    @leaf
-    def t_46(s):
-        return s.mm("t_45 W_O1'", s.t_45, tr(s.W_O1))
-
-    @leaf
-    def t_47(s):
-        return s.mm("t_45 W_O2'", s.t_45, tr(s.W_O2))
-
-    @leaf
-    def t_48(s):
-        return s.mm("A1' t_45", tr(s.A1), s.t_45)
-
-    @leaf
-    def t_49(s):
-        return s.mm("A2' t_45", tr(s.A2), s.t_45)
-
-    @leaf
-    def t_50(s):
-        return tr(s.t_32)
-
-    @leaf
-    def t_51(s):
-        return tr(s.t_34)
-
-    @leaf
-    def t_52(s):
-        return tr(s.t_17)
-
-    @leaf
-    def t_53(s):
-        return (s.t_25 * s.Y_2)
-
-    @leaf
-    def t_54(s):
-        return mul(s.t_15, s.t_13, s.t_16)
-
-    @leaf
-    def t_55(s):
-        return (s.t_14 * s.t_16)
-
-    @leaf
-    def t_56(s):
-        return softmax_rows(s.F)
-
-    @leaf
-    def t_57(s):
-        return mul(((2.0 * s.t_14) - 1.0), (s.t_14 - 1.0), s.t_14)
-
-    @leaf
-    def t_58(s):
-        return mul(s.t_57, s.t_19, s.t_13, s.t_16)
-
-    @leaf
-    def t_59(s):
-        return mul(s.t_15, s.t_19, s.t_16)
-
-    @leaf
-    def t_60(s):
-        return mul(s.t_15, s.t_19, s.t_13)
-
-    @leaf
-    def t_61(s):
-        return (s.t_14 * s.t_19)
-
-    @leaf
-    def t_62(s):
-        return (s.t_24 * s.t_25)
-
-    @leaf
-    def t_63(s):
-        return (0.75 * (s.t_12 ** -2.5))
-
-    @leaf
-    def t_64(s):
-        return mul(s.t_24, s.t_63, s.Y_2)
-
-    @leaf
-    def t_65(s):
-        return bcast_last(s.t_27, s.d_V)
-
-    @leaf
-    def t_66(s):
-        return (s.t_23 * s.t_25)
-
-    @leaf
-    def t_67(s):
-        return (1/math.sqrt(s.d_K)) * s.t_45
-
-    @leaf
-    def t_68(s):
-        return softmax_diff(s.A1, s.mm("t_67 W_O1' W_V' N_1'", s.t_67, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_69(s):
-        return (s.t_42 * s.t_25)
-
-    @leaf
-    def t_70(s):
-        return mul(s.t_42, s.t_63, s.Y_2)
-
-    @leaf
-    def t_71(s):
-        return bcast_last(s.t_44, s.d_V)
-
-    @leaf
-    def t_72(s):
-        return (s.t_22 * s.t_25)
-
-    @leaf
-    def t_73(s):
-        return softmax_diff(s.A2, s.mm("t_67 W_O2' W_V' N_1'", s.t_67, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def one_2(s):
-        return ones((1, s.L), s.like)
-
-    @leaf
-    def t_74(s):
-        return log_softmax_rows(s.F)
-
-    @leaf
-    def t_75(s):
-        return (s.t_74 * s.Y)
-
-    @leaf
-    def t_76(s):
-        return s.mm('one_2 t_75 one', s.one_2, s.t_75, s.one)
-
-    @leaf
-    def t_77(s):
-        return s.mm("t_29 t_2'", s.t_29, tr(s.t_2))
-
-    @leaf
-    def t_78(s):
-        return (s.t_77 * s.S)
-
-    @leaf
-    def t_79(s):
-        return (s.t_77 * s.C)
-
-    @leaf
-    def t_80(s):
-        return s.mm("t_37 t_2'", s.t_37, tr(s.t_2))
-
-    @leaf
-    def t_81(s):
-        return (s.t_80 * s.C)
-
-    @leaf
-    def t_82(s):
-        return (s.t_80 * s.S)
-
-    @leaf
-    def t_83(s):
-        return s.mm("t_68' t_40'", tr(s.t_68), tr(s.t_40))
-
-    @leaf
-    def t_84(s):
-        return s.mm("t_73' t_41'", tr(s.t_73), tr(s.t_41))
-
-    @leaf
-    def t_85(s):
-        return (s.t_83 + s.t_84)
-
-    @leaf
-    def t_86(s):
-        return (s.t_85 * s.C)
-
-    @leaf
-    def t_87(s):
-        return (s.t_85 * s.S)
-
-    @leaf
-    def t_88(s):
-        return (s.t_54 + s.t_55)
-
-    @leaf
-    def t_114(s):
-        return s.mm("t_45 W_O1' W_V' N_1'", s.t_45, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_116(s):
-        return lin((1, s.t_58), (2, s.t_59))
-
-    @leaf
-    def t_127(s):
-        return (s.t_60 + s.t_61)
-
-    @leaf
-    def t_138(s):
-        return softmax_diff(s.A1, s.t_114)
-
-    @leaf
-    def t_140(s):
-        return s.mm("t_45 W_O2' W_V' N_1'", s.t_45, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_145(s):
-        return softmax_diff(s.A2, s.t_140)
-
-    @leaf
-    def t_148(s):
-        return (tr(s.t_14) * tr(s.t_13))
-
-    @leaf
-    def t_153(s):
-        return (s.t_4 * s.t_18)
-
-    @leaf
-    def t_154(s):
-        return (s.t_153 - s.Y)
-
-    @leaf
-    def t_155(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_156(s):
-        return mul(s.t_15, s.t_155, s.t_13, s.t_16)
-
-    @leaf
-    def t_157(s):
-        return mul(s.t_14, s.t_155, s.t_16)
-
-    @leaf
-    def t_158(s):
-        return (s.t_156 + s.t_157)
-
-    @leaf
-    def t_159(s):
-        return s.mm("t_158 W_1'", s.t_158, tr(s.W_1))
-
-    @leaf
-    def t_160(s):
-        return mul(s.t_14, s.t_155, s.t_13)
-
-    @leaf
-    def t_161(s):
-        return s.mm("t_160 W_3'", s.t_160, tr(s.W_3))
-
-    @leaf
-    def t_162(s):
-        return (s.t_159 + s.t_161)
-
-    @leaf
-    def t_163(s):
-        return mul((2/s.d_V) * s.t_162, s.t_25, s.Y_2)
-
-    @leaf
-    def t_164(s):
-        return s.mm('t_163 one', s.t_163, s.one)
-
-    @leaf
-    def t_165(s):
-        return lin((1/s.L, s.t_154), (1, s.t_162, s.R_N_2), (1, s.t_164, s.Y_2))
-
-    @leaf
-    def t_166(s):
-        return s.mm("t_165 W_O1' W_V' N_1'", s.t_165, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_168(s):
-        return lin((1, mul(s.t_57, s.t_155, s.t_13), s.t_16), (2, (s.t_15 * s.t_155), s.t_16))
-
-    @leaf
-    def t_184(s):
-        return mul(s.t_15, s.t_155, s.t_13)
-
-    @leaf
-    def t_185(s):
-        return (s.t_14 * s.t_155)
-
-    @leaf
-    def t_186(s):
-        return (s.t_184 + s.t_185)
-
-    @leaf
-    def t_190(s):
-        return (s.t_162 * s.t_25)
-
-    @leaf
-    def t_191(s):
-        return ((2/s.d_V) * s.t_162 * s.t_25)
-
-    @leaf
-    def t_192(s):
-        return mul((2/s.d_V) * s.t_162, s.t_63, s.Y_2)
-
-    @leaf
-    def t_198(s):
-        return softmax_diff(s.A1, s.t_166)
-
-    @leaf
-    def t_200(s):
-        return s.mm("t_165 W_O2' W_V' N_1'", s.t_165, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_205(s):
-        return softmax_diff(s.A2, s.t_200)
-
-    @leaf
-    def S_2(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_2', [
-            net(1/(s.L*s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/(s.L*s.d_K), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def dA(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.A1, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.A1, s.A1),
-        ])
-
-    @leaf
-    def S_3(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
-        ])
-
-    @leaf
-    def S_4(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_4', [
-            net(1, 'nab->nab', s.t_54),
-            net(1, 'nab->nab', s.t_55),
-        ])
-
-    @leaf
-    def S_5(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_5', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_35),
-        ])
-
-    @leaf
-    def S_6(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_6', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_3, s.S_5, s.W_2),
-        ])
-
-    @leaf
-    def dA_2(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_56, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_56, s.t_56),
-        ])
-
-    @leaf
-    def S_7(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_7', [
-            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_35, s.W_3),
-        ])
-
-    @leaf
-    def S_8(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_53, ONES, s.Y_2),
-        ])
-
-    @leaf
-    def S_9(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_9', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
-        ])
-
-    @leaf
-    def S_10(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->abc', s.S, s.R),
-        ])
-
-    @leaf
-    def S_11(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_11', [
-            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_12(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_12', [
-            net(1, 'nab->nab', s.t_58),
-            net(2, 'nab->nab', s.t_59),
-        ])
-
-    @leaf
-    def S_13(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_13', [
-            net(1, 'nab->nab', s.t_60),
-            net(1, 'nab->nab', s.t_61),
-        ])
-
-    @leaf
-    def S_14(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_14', [
-            net(1, 'nab,cb->nabc', s.S_12, s.W_1),
-            net(1, 'nab,cb->nabc', s.S_13, s.W_3),
-        ])
-
-    @leaf
-    def S_15(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_15', [
-            net(1, 'ab,ncbd->ncad', s.W_1, s.S_14),
-            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_13, s.W_1),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_8),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (4 networks)."""
-        return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
-            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
-        ])
-
-    @leaf
-    def d2A(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_29, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_29),
-        ])
-
-    @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_6, s.dA),
-            net(1, 'nabc->nabc', s.d2A),
-        ])
-
-    @leaf
-    def dA_3(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA_3', [
-            net(1, 'nab,bc->nabc', s.A2, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.A2, s.A2),
-        ])
-
-    @leaf
-    def S_19(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
-            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->bac', s.S, s.R),
-        ])
-
-    @leaf
-    def S_20(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_21(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_21', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/(s.L*math.sqrt(s.d_K)), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_22(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_22', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_12),
-            net(1, 'ab,ncb->ncab', s.W_3, s.S_13),
-        ])
-
-    @leaf
-    def d2A_2(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_37, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_37, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_37),
-        ])
-
-    @leaf
-    def S_23(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3),
-            net(1, 'nabc->nabc', s.d2A_2),
-        ])
-
-    @leaf
-    def d2A_3(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_68, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_68),
-        ])
-
-    @leaf
-    def S_24(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_69, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_70, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_8),
-        ])
-
-    @leaf
-    def S_25(s):
-        """A sum as a compact tensor (4 networks)."""
-        return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_72, ONES, s.Y_2),
-            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
-        ])
-
-    @leaf
-    def d2A_4(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_73, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_73, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_73),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_26', [
-            net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_27', [
-            net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_26, s.S_5, s.W_2),
-        ])
-
-    @leaf
-    def S_28(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_28', [
-            net(1/s.L, 'nab->nab', s.t_54),
-            net(1/s.L, 'nab->nab', s.t_55),
-        ])
-
-    @leaf
-    def S_29(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_29', [
-            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
-        ])
-
-    def block__W_Q1__W_Q1__outer(s):
-        """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q1__functional(s):
-        """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q2__outer(s):
-        """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q2__functional(s):
-        """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_K__outer(s):
-        """H_o(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def block__W_Q1__W_K__functional(s):
-        """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_29, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_V__outer(s):
-        """H_o(W_Q1, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_Q1__W_V__functional(s):
-        """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31),
-        ]
-
-    def block__W_Q1__W_O1__outer(s):
-        """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_Q1__W_O1__functional(s):
-        """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.W_O1, s.S_17, s.t_32),
-        ]
-
-    def block__W_Q1__W_O2__outer(s):
-        """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_Q1__W_O2__functional(s):
-        """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_34),
-        ]
-
-    def block__W_Q1__W_1__outer(s):
-        """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_Q1__W_1__functional(s):
-        """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_Q1__W_3__outer(s):
-        """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_Q1__W_3__functional(s):
-        """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_Q1__W_2__outer(s):
-        """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_Q1__W_2__functional(s):
-        """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_Q2__W_Q2__outer(s):
-        """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_Q2__functional(s):
-        """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_23, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_K__outer(s):
-        """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def block__W_Q2__W_K__functional(s):
-        """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_37, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_V__outer(s):
-        """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_Q2__W_V__functional(s):
-        """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_38, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_38, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39),
-        ]
-
-    def block__W_Q2__W_O1__outer(s):
-        """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_Q2__W_O1__functional(s):
-        """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_32),
-        ]
-
-    def block__W_Q2__W_O2__outer(s):
-        """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_Q2__W_O2__functional(s):
-        """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.W_O2, s.S_17, s.t_34),
-        ]
-
-    def block__W_Q2__W_1__outer(s):
-        """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_Q2__W_1__functional(s):
-        """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_Q2__W_3__outer(s):
-        """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_Q2__W_3__functional(s):
-        """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_Q2__W_2__outer(s):
-        """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_Q2__W_2__functional(s):
-        """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def block__W_K__W_K__functional(s):
-        """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_40, s.d2A_3, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_41, s.d2A_4, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_K__W_V__functional(s):
-        """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_30, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_30, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_46),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_38, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_38, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_47),
-        ]
-
-    def block__W_K__W_O1__outer(s):
-        """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_K__W_O1__functional(s):
-        """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA, s.t_33, s.t_45),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_33, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_32),
-        ]
-
-    def block__W_K__W_O2__outer(s):
-        """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_K__W_O2__functional(s):
-        """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_34),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_33, s.t_45),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_33, s.W_O2, s.S_25, s.t_34),
-        ]
-
-    def block__W_K__W_1__outer(s):
-        """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_K__W_1__functional(s):
-        """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_K__W_3__outer(s):
-        """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_K__W_3__functional(s):
-        """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_K__W_2__outer(s):
-        """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_K__W_2__functional(s):
-        """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_V__W_V__functional(s):
-        """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_25, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_V__W_O1__outer(s):
-        """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_V__W_O1__functional(s):
-        """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
-        ]
-
-    def block__W_V__W_O2__outer(s):
-        """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_V__W_O2__functional(s):
-        """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_49, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_34),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_34),
-        ]
-
-    def block__W_V__W_1__outer(s):
-        """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_V__W_1__functional(s):
-        """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_V__W_3__outer(s):
-        """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_V__W_3__functional(s):
-        """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_V__W_2__outer(s):
-        """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_V__W_2__functional(s):
-        """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_O1__W_O1__outer(s):
-        """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
-        ]
-
-    def block__W_O1__W_O1__functional(s):
-        """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_25, s.t_32),
-        ]
-
-    def block__W_O1__W_O2__outer(s):
-        """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_O1__W_O2__functional(s):
-        """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_25, s.t_34),
-        ]
-
-    def block__W_O1__W_1__outer(s):
-        """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_O1__W_1__functional(s):
-        """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_50, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_O1__W_3__outer(s):
-        """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_O1__W_3__functional(s):
-        """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_50, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_O1__W_2__outer(s):
-        """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_50, s.S_27, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_O1__W_2__functional(s):
-        """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_50, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_O2__W_O2__outer(s):
-        """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
-        ]
-
-    def block__W_O2__W_O2__functional(s):
-        """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_51, s.S_25, s.t_34),
-        ]
-
-    def block__W_O2__W_1__outer(s):
-        """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_O2__W_1__functional(s):
-        """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_51, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_51, s.S_3, s.S_22, s.N_2),
-        ]
-
-    def block__W_O2__W_3__outer(s):
-        """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_O2__W_3__functional(s):
-        """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_51, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_51, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_O2__W_2__outer(s):
-        """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_51, s.S_27, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_O2__W_2__functional(s):
-        """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_51, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_1__W_1__outer(s):
-        """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_1__W_1__functional(s):
-        """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_12, s.N_2),
-        ]
-
-    def block__W_1__W_3__outer(s):
-        """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_1__W_3__functional(s):
-        """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_13, s.N_2),
-        ]
-
-    def block__W_1__W_2__outer(s):
-        """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_1__W_2__functional(s):
-        """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff] + diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff])"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.S_4, s.G),
-        ]
-
-    def block__W_3__W_3__outer(s):
-        """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-        ]
-
-    def block__W_3__W_2__outer(s):
-        """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def block__W_3__W_2__functional(s):
-        """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_35, s.G),
-        ]
-
-    def block__W_2__W_2__outer(s):
-        """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
-        return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_52, s.t_5, s.dA_2, s.t_17),
-        ]
-
-    def jacobian__W_Q1(s):
-        """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def jacobian__W_Q2(s):
-        """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
-        ]
-
-    def jacobian__W_K(s):
-        """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-        ]
-
-    def jacobian__W_V(s):
-        """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
-            net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def jacobian__W_O1(s):
-        """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
-        ]
-
-    def jacobian__W_O2(s):
-        """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_34),
-        ]
-
-    def jacobian__W_1(s):
-        """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.S_4, s.N_2),
-        ]
-
-    def jacobian__W_3(s):
-        """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_35, s.N_2),
-        ]
-
-    def jacobian__W_2(s):
-        """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nab->n|ac|bc', s.t_17, free={'c': s.d_V}),
-        ]
-
-    def loss(s):
-        """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_76, True)[..., 0, 0]
-
-    def gradient(s):
-        """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_78 R'", tr(s.N_1), s.t_78, tr(s.R)), (1, "N_1' t_79", tr(s.N_1), s.t_79), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_81", tr(s.N_1), s.t_81), (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_86", tr(s.N_1), s.t_86), (1, "N_1' t_87 R'", tr(s.N_1), s.t_87, tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_45 W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(s.W_O2)), (1, "N_1' A1' t_45 W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_45", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_45, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_45", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_45, mean=True)
-        out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
-        out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
-        out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_89 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_90 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_40' @t_89", tr(s.t_40), t_89)), (1/math.sqrt(s.d_K), s.prod("@t_90 t_7'", t_90, tr(s.t_7))))
-        t_92 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_93 = lin((1/math.sqrt(s.d_K), s.prod("@t_92 t_7'", t_92, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_41' @t_89", tr(s.t_41), t_89)))
-        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_95 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
-        t_96 = lin((1, s.prod('@t_95 W_1', t_95, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_97 = lin((1, s.prod('@t_95 W_3', t_95, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_98 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_88 * t_96) + (s.t_35 * t_97)), s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
-        t_99 = (s.t_4 * softmax_diff(s.t_56, t_98))
-        t_100 = s.mm("@t_99 W_2'", t_99, tr(s.W_2))
-        t_101 = ((1/s.L) * s.t_88 * t_100)
-        t_102 = (s.t_35 * t_100)
-        t_103 = lin((1, s.prod("@t_101 W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("@t_102 W_3'", t_102, tr(s.W_3))))
-        t_104 = lin((1, t_103, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_53 * t_103), s.one), s.Y_2), (1/s.L, t_99))
-        t_105 = softmax_diff(s.A1, s.mm("@t_104 W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_106 = s.mm("@t_105 t_2'", t_105, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
-        t_107 = softmax_diff(s.A2, s.mm("@t_104 W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_108 = s.mm("@t_107 t_2'", t_107, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_108 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
-        t_109 = lin((1, s.prod("@t_105' t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("@t_107' t_41'", tr(t_107), tr(s.t_41))))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_109 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_109 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_104 W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' @t_104 W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
-        out_W_1 = s.mm("N_2' @t_101", tr(s.N_2), t_101, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' @t_102", tr(s.N_2), t_102, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' @t_99", tr(s.t_17), t_99, mean=True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_110 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_111 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_112 = lin((1, s.prod("t_40' @t_110", tr(s.t_40), t_110)), (1, s.prod("@t_111 t_7'", t_111, tr(s.t_7))))
-        t_113 = (1/math.sqrt(s.d_K)) * t_112
-        t_115 = softmax_diff2(s.A1, t_113, s.t_114)
-        t_117 = softmax_diff(s.A1, t_113)
-        t_118 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_119 = lin((1, s.prod("@t_118 t_7'", t_118, tr(s.t_7))), (1, s.prod("t_41' @t_110", tr(s.t_41), t_110)))
-        t_120 = (1/math.sqrt(s.d_K)) * t_119
-        t_121 = softmax_diff(s.A2, t_120)
-        t_122 = lin((1, s.mm_sum('r', (1, '@t_117 N_1 W_V W_O1', t_117, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_121 N_1 W_V W_O2', t_121, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_123 = s.mm('_ one', (t_122 * s.Y_2), s.one)
-        t_124 = (t_123 * s.t_53)
-        t_125 = lin((1, t_122, s.R_N_2), (2/s.d_V, t_124))
-        t_126 = lin((1, s.prod('@t_125 W_1', t_125, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_128 = lin((1, s.prod('@t_125 W_3', t_125, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_129 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
-        t_130 = lin((1, s.t_116, t_126), (1, s.t_127, t_128), (1, s.t_88, t_129))
-        t_131 = ((s.t_127 * t_126) + (s.t_35 * t_129))
-        t_132 = lin((1, s.prod("@t_130 W_1'", t_130, tr(s.W_1))), (1, s.prod("@t_131 W_3'", t_131, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
-        t_133 = lin((1, s.t_69, t_122), (2/s.d_V, s.t_53, t_132), (2/s.d_V, t_123, s.t_70))
-        t_134 = lin((1, t_132, s.R_N_2), (2/s.d_V, t_123, s.t_72), (1, s.t_44, t_122), (1, s.mm('@t_133 one', t_133, s.one), s.Y_2))
-        t_135 = s.mm_sum('r', (1, "@t_134 W_O1' W_V' N_1'", t_134, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O1' W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' @V_W_V' N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_136 = softmax_diff(s.A1, t_135)
-        t_137 = (t_115 + t_136)
-        t_139 = lin((1, s.prod("@t_137 t_2'", t_137, tr(s.t_2))), (1, s.prod("t_138 @t_110'", s.t_138, tr(t_110))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_139 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_139 * s.C)), mean=True)
-        t_141 = softmax_diff2(s.A2, t_120, s.t_140)
-        t_142 = s.mm_sum('r', (1, "@t_134 W_O2' W_V' N_1'", t_134, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O2' W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' @V_W_V' N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_143 = softmax_diff(s.A2, t_142)
-        t_144 = (t_141 + t_143)
-        t_146 = lin((1, s.prod("@t_144 t_2'", t_144, tr(s.t_2))), (1, s.prod("t_145 @t_110'", s.t_145, tr(t_110))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_146 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_146 * s.C)), mean=True)
-        t_147 = lin((1, s.prod("@t_137' t_40'", tr(t_137), tr(s.t_40))), (1, s.prod("@t_144' t_41'", tr(t_144), tr(s.t_41))), (1, s.prod("t_138' @t_111", tr(s.t_138), t_111)), (1, s.prod("t_145' @t_118", tr(s.t_145), t_118)))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_45 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), (1, "N_1' @t_117' t_45 W_O1'", tr(s.N_1), tr(t_117), s.t_45, tr(s.W_O1)), (1, "N_1' A1' @t_134 W_O1'", tr(s.N_1), tr(s.A1), t_134, tr(s.W_O1)), (1, "N_1' A1' t_45 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A2' @t_134 W_O2'", tr(s.N_1), tr(s.A2), t_134, tr(s.W_O2)), (1, "N_1' @t_121' t_45 W_O2'", tr(s.N_1), tr(t_121), s.t_45, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' @t_117' t_45", tr(s.W_V), tr(s.N_1), tr(t_117), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' @t_134", tr(s.W_V), tr(s.N_1), tr(s.A1), t_134, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' @t_121' t_45", tr(s.W_V), tr(s.N_1), tr(t_121), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' @t_134", tr(s.W_V), tr(s.N_1), tr(s.A2), t_134, mean=True)))
-        out_W_1 = (s.mm("@t_125' t_20", tr(t_125), s.t_20, mean=True) + s.mm("N_2' @t_130", tr(s.N_2), t_130, mean=True))
-        out_W_3 = (s.mm("@t_125' t_21", tr(t_125), s.t_21, mean=True) + s.mm("N_2' @t_131", tr(s.N_2), t_131, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_126)) + (s.t_148 * tr(t_128))), s.G, mean=True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_149 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_150 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_151 = lin((1, s.prod("t_40' @t_149", tr(s.t_40), t_149)), (1, s.prod("@t_150 t_7'", t_150, tr(s.t_7))))
-        t_152 = (1/math.sqrt(s.d_K)) * t_151
-        t_167 = softmax_diff2(s.A1, t_152, s.t_166)
-        t_169 = softmax_diff(s.A1, t_152)
-        t_170 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_171 = lin((1, s.prod("@t_170 t_7'", t_170, tr(s.t_7))), (1, s.prod("t_41' @t_149", tr(s.t_41), t_149)))
-        t_172 = (1/math.sqrt(s.d_K)) * t_171
-        t_173 = softmax_diff(s.A2, t_172)
-        t_174 = lin((1, s.mm_sum('r', (1, '@t_169 N_1 W_V W_O1', t_169, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_173 N_1 W_V W_O2', t_173, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_175 = s.mm('_ one', (t_174 * s.Y_2), s.one)
-        t_176 = (t_175 * s.t_53)
-        t_177 = lin((1, t_174, s.R_N_2), (2/s.d_V, t_176))
-        t_178 = lin((1, s.prod('@t_177 W_1', t_177, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_179 = lin((1, s.prod('@t_177 W_3', t_177, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_180 = ((s.t_88 * t_178) + (s.t_35 * t_179))
-        t_181 = lin((1, t_174), (1, s.prod('@t_180 W_2', t_180, s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
-        t_182 = (s.t_4 * softmax_diff(s.t_18, t_181))
-        t_183 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_182 W_2'", t_182, tr(s.W_2))))
-        t_187 = lin((1, s.t_168, t_178), (1, s.t_88, t_183), (1, s.t_186, t_179))
-        t_188 = ((s.t_186 * t_178) + (s.t_35 * t_183))
-        t_189 = lin((1, s.prod("@t_187 W_1'", t_187, tr(s.W_1))), (1, s.prod("@t_188 W_3'", t_188, tr(s.W_3))), (1, s.prod("t_158 @V_W_1'", s.t_158, tr(V_W_1))), (1, s.prod("t_160 @V_W_3'", s.t_160, tr(V_W_3))))
-        t_193 = lin((1, s.t_191, t_174), (2/s.d_V, s.t_53, t_189), (2/s.d_V, t_175, s.t_192))
-        t_194 = lin((1, t_189, s.R_N_2), (2/s.d_V, t_175, s.t_190), (1, s.t_164, t_174), (1, s.mm('@t_193 one', t_193, s.one), s.Y_2), (1/s.L, t_182))
-        t_195 = s.mm_sum('r', (1, "@t_194 W_O1' W_V' N_1'", t_194, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_165 W_O1' @V_W_V' N_1'", s.t_165, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_165 @V_W_O1' W_V' N_1'", s.t_165, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_196 = softmax_diff(s.A1, t_195)
-        t_197 = (t_167 + t_196)
-        t_199 = lin((1, s.prod("@t_197 t_2'", t_197, tr(s.t_2))), (1, s.prod("t_198 @t_149'", s.t_198, tr(t_149))))
-        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_199 * s.C)), mean=True)
-        t_201 = softmax_diff2(s.A2, t_172, s.t_200)
-        t_202 = s.mm_sum('r', (1, "@t_194 W_O2' W_V' N_1'", t_194, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_165 W_O2' @V_W_V' N_1'", s.t_165, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_165 @V_W_O2' W_V' N_1'", s.t_165, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_203 = softmax_diff(s.A2, t_202)
-        t_204 = (t_201 + t_203)
-        t_206 = lin((1, s.prod("@t_204 t_2'", t_204, tr(s.t_2))), (1, s.prod("t_205 @t_149'", s.t_205, tr(t_149))))
-        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_206 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_206 * s.S), tr(s.R)), mean=True)
-        t_207 = lin((1, s.prod("@t_197' t_40'", tr(t_197), tr(s.t_40))), (1, s.prod("@t_204' t_41'", tr(t_204), tr(s.t_41))), (1, s.prod("t_198' @t_150", tr(s.t_198), t_150)), (1, s.prod("t_205' @t_170", tr(s.t_205), t_170)))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_207 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_165 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_165, tr(V_W_O2)), (1, "N_1' @t_169' t_165 W_O1'", tr(s.N_1), tr(t_169), s.t_165, tr(s.W_O1)), (1, "N_1' A1' t_165 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_165, tr(V_W_O1)), (1, "N_1' A2' @t_194 W_O2'", tr(s.N_1), tr(s.A2), t_194, tr(s.W_O2)), (1, "N_1' A1' @t_194 W_O1'", tr(s.N_1), tr(s.A1), t_194, tr(s.W_O1)), (1, "N_1' @t_173' t_165 W_O2'", tr(s.N_1), tr(t_173), s.t_165, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_165", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_165), (1, "W_V' N_1' @t_169' t_165", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_165), mean=True)), (1, s.mm("W_V' N_1' A1' @t_194", tr(s.W_V), tr(s.N_1), tr(s.A1), t_194, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_165", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_165), (1, "W_V' N_1' @t_173' t_165", tr(s.W_V), tr(s.N_1), tr(t_173), s.t_165), mean=True)), (1, s.mm("W_V' N_1' A2' @t_194", tr(s.W_V), tr(s.N_1), tr(s.A2), t_194, mean=True)))
-        out_W_1 = (s.mm("@t_177' t_158", tr(t_177), s.t_158, mean=True) + s.mm("N_2' @t_187", tr(s.N_2), t_187, mean=True))
-        out_W_3 = (s.mm("@t_177' t_160", tr(t_177), s.t_160, mean=True) + s.mm("N_2' @t_188", tr(s.N_2), t_188, mean=True))
-        out_W_2 = lin((1, s.mm("@t_180' G", tr(t_180), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_182", tr(s.t_17), t_182, mean=True)))
+        t_161 = softmax_diff2(s.A1, t_149, s.t_160)
+        t_163 = softmax_diff(s.A1, t_149)
+        t_164 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
+        t_165 = lin((1, s.prod("@t_164 t_7'", t_164, tr(s.t_7))), (1, s.prod("t_39' @t_146", tr(s.t_39), t_146)))
+        t_166 = (1/math.sqrt(s.d_K)) * t_165
+        t_167 = softmax_diff(s.A2, t_166)
+        t_168 = lin((1, s.mm_sum('r', (1, '@t_163 N_1 W_V W_O1', t_163, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_167 N_1 W_V W_O2', t_167, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_169 = s.mm('_ one', (t_168 * s.Y_2), s.one)
+        t_170 = (t_169 * s.t_50)
+        t_171 = lin((1, t_168, s.R_N_2), (2/s.d_V, t_170))
+        t_172 = lin((1, s.prod('@t_171 W_1', t_171, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_173 = lin((1, s.prod('@t_171 W_3', t_171, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_174 = lin((1, s.t_85, t_172), (1, s.t_33, t_173))
+        t_175 = lin((1, t_168), (1, s.prod('@t_174 W_2', t_174, s.W_2)), (1, s.prod("t_49' @V_W_2", tr(s.t_49), V_W_2)))
+        t_176 = (s.t_4 * softmax_diff(s.t_18, t_175))
+        t_177 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_176 W_2'", t_176, tr(s.W_2))))
+        t_179 = lin((1, s.t_162, t_172), (1, s.t_85, t_177), (1, s.t_178, t_173))
+        t_180 = lin((1, s.t_178, t_172), (1, s.t_33, t_177))
+        t_181 = lin((1, s.prod("@t_179 W_1'", t_179, tr(s.W_1))), (1, s.prod("@t_180 W_3'", t_180, tr(s.W_3))), (1, s.prod("t_152 @V_W_1'", s.t_152, tr(V_W_1))), (1, s.prod("t_154 @V_W_3'", s.t_154, tr(V_W_3))))
+        t_185 = lin((1, s.t_183, t_168), (2/s.d_V, s.t_50, t_181), (2/s.d_V, t_169, s.t_184))
+        t_186 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_169, s.t_182), (1, s.t_158, t_168), (1, s.mm('@t_185 one', t_185, s.one), s.Y_2), (1/s.L, t_176))
+        t_187 = s.mm_sum('r', (1, "@t_186 W_O1' W_V' N_1'", t_186, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_159 W_O1' @V_W_V' N_1'", s.t_159, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_159 @V_W_O1' W_V' N_1'", s.t_159, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_188 = softmax_diff(s.A1, t_187)
+        t_189 = (t_161 + t_188)
+        t_191 = lin((1, s.prod("@t_189 t_2'", t_189, tr(s.t_2))), (1, s.prod("t_190 @t_146'", s.t_190, tr(t_146))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_191 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_191 * s.C)), mean=True)
+        t_193 = softmax_diff2(s.A2, t_166, s.t_192)
+        t_194 = s.mm_sum('r', (1, "@t_186 W_O2' W_V' N_1'", t_186, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_159 W_O2' @V_W_V' N_1'", s.t_159, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_159 @V_W_O2' W_V' N_1'", s.t_159, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_195 = softmax_diff(s.A2, t_194)
+        t_196 = (t_193 + t_195)
+        t_198 = lin((1, s.prod("@t_196 t_2'", t_196, tr(s.t_2))), (1, s.prod("t_197 @t_146'", s.t_197, tr(t_146))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_198 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_198 * s.S), tr(s.R)), mean=True)
+        t_199 = lin((1, s.prod("@t_189' t_38'", tr(t_189), tr(s.t_38))), (1, s.prod("@t_196' t_39'", tr(t_196), tr(s.t_39))), (1, s.prod("t_190' @t_147", tr(s.t_190), t_147)), (1, s.prod("t_197' @t_164", tr(s.t_197), t_164)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_199 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_159 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_159, tr(V_W_O2)), (1, "N_1' @t_163' t_159 W_O1'", tr(s.N_1), tr(t_163), s.t_159, tr(s.W_O1)), (1, "N_1' A1' t_159 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_159, tr(V_W_O1)), (1, "N_1' A2' @t_186 W_O2'", tr(s.N_1), tr(s.A2), t_186, tr(s.W_O2)), (1, "N_1' A1' @t_186 W_O1'", tr(s.N_1), tr(s.A1), t_186, tr(s.W_O1)), (1, "N_1' @t_167' t_159 W_O2'", tr(s.N_1), tr(t_167), s.t_159, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_159", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_159), (1, "W_V' N_1' @t_163' t_159", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_159), mean=True)), (1, s.mm("W_V' N_1' A1' @t_186", tr(s.W_V), tr(s.N_1), tr(s.A1), t_186, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_159", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_159), (1, "W_V' N_1' @t_167' t_159", tr(s.W_V), tr(s.N_1), tr(t_167), s.t_159), mean=True)), (1, s.mm("W_V' N_1' A2' @t_186", tr(s.W_V), tr(s.N_1), tr(s.A2), t_186, mean=True)))
+        out_W_1 = (s.mm("@t_171' t_152", tr(t_171), s.t_152, mean=True) + s.mm("N_2' @t_179", tr(s.N_2), t_179, mean=True))
+        out_W_3 = (s.mm("@t_171' t_154", tr(t_171), s.t_154, mean=True) + s.mm("N_2' @t_180", tr(s.N_2), t_180, mean=True))
+        out_W_2 = lin((1, s.mm("@t_174' G", tr(t_174), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_176", tr(s.t_17), t_176, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -7070,4 +6950,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "9130e0a24be9620196ef806d"
+CHECKSUM = "3a81d6fec523982c0e839d52"

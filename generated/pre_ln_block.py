@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "1892cb2e8c6021c2e68b65a9"
+    STAMP = "d2532d5fa32530d37ac70054"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -871,7 +871,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "1b48e278da390031e4c18262"
+    STAMP = "b6557453603024ed2492efc9"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -1718,30 +1718,30 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "cc81fedc32d743dcddcc8f74"
+    STAMP = "79da2241cdce8b2709bfc888"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
         "@V_W_V' N_1'": 2,
-        '@t_117 N_1': 2,
-        "@t_117' N_1": 2,
+        '@t_116 N_1': 2,
+        "@t_116' N_1": 2,
         '@t_55 N_1': 2,
         "@t_55' N_1": 2,
         '@t_66 N_1': 2,
         '@t_75 N_1': 2,
         "@t_75' N_1": 2,
-        '@t_97 N_1': 2,
+        '@t_96 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
-        "N_1' @t_117 N_1": 2,
+        "N_1' @t_116 N_1": 2,
         "N_1' @t_55 N_1": 2,
         "N_1' @t_75 N_1": 2,
-        "N_1' t_118": 2,
-        "N_1' t_118 N_1": 2,
-        "N_1' t_118'": 2,
+        "N_1' t_117": 2,
+        "N_1' t_117 N_1": 2,
+        "N_1' t_117'": 2,
         "N_1' t_23": 2,
         "N_1' t_23 N_1": 2,
         "N_1' t_23'": 3,
@@ -2017,67 +2017,63 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_83(s):
-        return (s.t_4 * s.t_13)
+        return lin((1, s.t_4, s.t_13), (-1, s.Y))
 
     @leaf
     def t_84(s):
-        return (s.t_83 - s.Y)
-
-    @leaf
-    def t_85(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_85(s):
+        return (s.t_11 * s.t_84)
+
+    @leaf
     def t_86(s):
-        return (s.t_11 * s.t_85)
+        return s.mm("t_85 W_1'", s.t_85, tr(s.W_1))
 
     @leaf
     def t_87(s):
-        return s.mm("t_86 W_1'", s.t_86, tr(s.W_1))
+        return mul(s.t_10, s.t_86, s.M_N_2)
 
     @leaf
     def t_88(s):
-        return mul(s.t_10, s.t_87, s.M_N_2)
+        return s.mm('t_87 one', s.t_87, s.one)
 
     @leaf
     def t_89(s):
-        return s.mm('t_88 one', s.t_88, s.one)
+        return lin((1, s.t_88, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_86))
 
     @leaf
     def t_90(s):
-        return lin((1, s.t_89, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_87))
+        return (-2/s.d_V**2) * s.t_89
 
     @leaf
     def t_91(s):
-        return (-2/s.d_V**2) * s.t_90
+        return s.mm('t_90 one', s.t_90, s.one)
 
     @leaf
     def t_92(s):
-        return s.mm('t_91 one', s.t_91, s.one)
+        return lin(((1/2)*s.d_V/s.L, s.t_83), (1, s.t_89), ((1/2)*s.d_V, s.t_91))
 
     @leaf
     def t_93(s):
-        return lin(((1/2)*s.d_V/s.L, s.t_84), (1, s.t_90), ((1/2)*s.d_V, s.t_92))
+        return (2/s.d_V) * s.t_92
 
     @leaf
     def t_94(s):
-        return (2/s.d_V) * s.t_93
+        return s.mm("t_93 W_V' N_1'", s.t_93, tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_95(s):
-        return s.mm("t_94 W_V' N_1'", s.t_94, tr(s.W_V), tr(s.N_1))
+    def t_109(s):
+        return (s.t_10 * s.t_86)
 
     @leaf
     def t_110(s):
-        return (s.t_10 * s.t_87)
+        return mul(s.t_33, s.t_86, s.M_N_2)
 
     @leaf
-    def t_111(s):
-        return mul(s.t_33, s.t_87, s.M_N_2)
-
-    @leaf
-    def t_118(s):
-        return softmax_diff(s.A, s.t_95)
+    def t_117(s):
+        return softmax_diff(s.A, s.t_94)
 
     @leaf
     def dA(s):
@@ -2546,31 +2542,31 @@ class ce_bias0_causal0(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_81 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_82 = (1/math.sqrt(s.d_K)) * t_81
-        t_96 = softmax_diff2(s.A, t_82, s.t_95)
-        t_97 = softmax_diff(s.A, t_82)
-        t_98 = lin((1, s.prod('@t_97 N_1 W_V', t_97, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_99 = lin((-s.d_V, t_98), (1, s.mm('@t_98 one', t_98, s.one)))
-        t_100 = (-1/s.d_V) * s.mm('_ one', (t_99 * s.M_N_2), s.one)
-        t_101 = (t_100 * s.t_30)
-        t_102 = lin((-1/s.d_V, s.P_N_2, t_99), (2/s.d_V, t_101))
-        t_103 = lin((1, s.prod('@t_102 W_1', t_102, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_104 = (t_103 * s.t_11)
-        t_105 = lin((1, t_98), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_104 W_2', t_104, s.W_2)))
-        t_106 = (s.t_4 * softmax_diff(s.t_13, t_105))
-        t_107 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_106 W_2'", t_106, tr(s.W_2))))
-        t_108 = (t_107 * s.t_11)
-        t_109 = lin((1, s.prod("@t_108 W_1'", t_108, tr(s.W_1))), (1, s.prod("t_86 @V_W_1'", s.t_86, tr(V_W_1))))
-        t_112 = lin((1, s.t_30, t_109), (-1/s.d_V, s.t_110, t_99), (2/s.d_V, t_100, s.t_111))
-        t_113 = lin((1, s.P_N_2, t_109), (-2/s.d_V**2, s.t_89, t_99), (2/s.d_V, t_100, s.t_110), (2/s.d_V, s.mm('@t_112 one', t_112, s.one), s.M_N_2))
-        t_114 = lin((1, t_113), (1/s.L, t_106), (1, (-1/s.d_V) * s.mm('@t_113 one', t_113, s.one)))
-        t_115 = s.mm_sum('r', (1, "@t_114 W_V' N_1'", t_114, tr(s.W_V), tr(s.N_1)), (1, "t_94 @V_W_V' N_1'", s.t_94, tr(V_W_V), tr(s.N_1)))
-        t_116 = softmax_diff(s.A, t_115)
-        t_117 = (t_96 + t_116)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_117 N_1 W_K", tr(s.N_1), t_117, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_118 N_1 @V_W_K", tr(s.N_1), s.t_118, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_117' N_1 W_Q", tr(s.N_1), tr(t_117), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_118' N_1 @V_W_Q", tr(s.N_1), tr(s.t_118), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_114", tr(s.N_1), tr(s.A), t_114), (1, "N_1' @t_97' t_94", tr(s.N_1), tr(t_97), s.t_94), mean=True)
-        out_W_1 = (s.mm("@t_102' t_86", tr(t_102), s.t_86, mean=True) + s.mm("N_2' @t_108", tr(s.N_2), t_108, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' @t_106", tr(s.t_12), t_106, mean=True)), (1, s.mm("@t_104' G", tr(t_104), s.G, mean=True)))
+        t_95 = softmax_diff2(s.A, t_82, s.t_94)
+        t_96 = softmax_diff(s.A, t_82)
+        t_97 = lin((1, s.prod('@t_96 N_1 W_V', t_96, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_98 = lin((-s.d_V, t_97), (1, s.mm('@t_97 one', t_97, s.one)))
+        t_99 = (-1/s.d_V) * s.mm('_ one', (t_98 * s.M_N_2), s.one)
+        t_100 = (t_99 * s.t_30)
+        t_101 = lin((-1/s.d_V, s.P_N_2, t_98), (2/s.d_V, t_100))
+        t_102 = lin((1, s.prod('@t_101 W_1', t_101, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_103 = (t_102 * s.t_11)
+        t_104 = lin((1, t_97), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_103 W_2', t_103, s.W_2)))
+        t_105 = (s.t_4 * softmax_diff(s.t_13, t_104))
+        t_106 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_105 W_2'", t_105, tr(s.W_2))))
+        t_107 = (t_106 * s.t_11)
+        t_108 = lin((1, s.prod("@t_107 W_1'", t_107, tr(s.W_1))), (1, s.prod("t_85 @V_W_1'", s.t_85, tr(V_W_1))))
+        t_111 = lin((1, s.t_30, t_108), (-1/s.d_V, s.t_109, t_98), (2/s.d_V, t_99, s.t_110))
+        t_112 = lin((1, s.P_N_2, t_108), (-2/s.d_V**2, s.t_88, t_98), (2/s.d_V, t_99, s.t_109), (2/s.d_V, s.mm('@t_111 one', t_111, s.one), s.M_N_2))
+        t_113 = lin((1, t_112), (1/s.L, t_105), (1, (-1/s.d_V) * s.mm('@t_112 one', t_112, s.one)))
+        t_114 = s.mm_sum('r', (1, "@t_113 W_V' N_1'", t_113, tr(s.W_V), tr(s.N_1)), (1, "t_93 @V_W_V' N_1'", s.t_93, tr(V_W_V), tr(s.N_1)))
+        t_115 = softmax_diff(s.A, t_114)
+        t_116 = (t_95 + t_115)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_116 N_1 W_K", tr(s.N_1), t_116, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_117 N_1 @V_W_K", tr(s.N_1), s.t_117, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_116' N_1 W_Q", tr(s.N_1), tr(t_116), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_117' N_1 @V_W_Q", tr(s.N_1), tr(s.t_117), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_113", tr(s.N_1), tr(s.A), t_113), (1, "N_1' @t_96' t_93", tr(s.N_1), tr(t_96), s.t_93), mean=True)
+        out_W_1 = (s.mm("@t_101' t_85", tr(t_101), s.t_85, mean=True) + s.mm("N_2' @t_107", tr(s.N_2), t_107, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' @t_105", tr(s.t_12), t_105, mean=True)), (1, s.mm("@t_103' G", tr(t_103), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -2582,25 +2578,25 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "52aa267291d79168749152c0"
+    STAMP = "fdf9602283d1e7fc8fe69875"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
         "@V_W_V' N_1'": 2,
-        '@t_118 N_1': 2,
-        "@t_118' N_1": 2,
+        '@t_117 N_1': 2,
+        "@t_117' N_1": 2,
         '@t_55 N_1': 2,
         "@t_55' N_1": 2,
         '@t_67 N_1': 2,
         '@t_76 N_1': 2,
         "@t_76' N_1": 2,
-        '@t_98 N_1': 2,
+        '@t_97 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
-        "N_1' @t_118 N_1": 2,
+        "N_1' @t_117 N_1": 2,
         "N_1' @t_55 N_1": 2,
         "N_1' @t_76 N_1": 2,
         "N_1' t_23": 2,
@@ -2609,9 +2605,9 @@ class ce_bias0_causal1(Forward):
         "N_1' t_61": 2,
         "N_1' t_61 N_1": 2,
         "N_1' t_61'": 2,
-        "N_1' t_94": 2,
-        "N_1' t_94 N_1": 2,
-        "N_1' t_94'": 2,
+        "N_1' t_93": 2,
+        "N_1' t_93 N_1": 2,
+        "N_1' t_93'": 2,
         "one' t_42'": 2,
     }
 
@@ -2881,67 +2877,63 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_81(s):
-        return (s.t_4 * s.t_13)
+        return lin((1, s.t_4, s.t_13), (-1, s.Y))
 
     @leaf
     def t_82(s):
-        return (s.t_81 - s.Y)
-
-    @leaf
-    def t_83(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_83(s):
+        return (s.t_11 * s.t_82)
+
+    @leaf
     def t_84(s):
-        return (s.t_11 * s.t_83)
+        return s.mm("t_83 W_1'", s.t_83, tr(s.W_1))
 
     @leaf
     def t_85(s):
-        return s.mm("t_84 W_1'", s.t_84, tr(s.W_1))
+        return mul(s.t_10, s.t_84, s.M_N_2)
 
     @leaf
     def t_86(s):
-        return mul(s.t_10, s.t_85, s.M_N_2)
+        return s.mm('t_85 one', s.t_85, s.one)
 
     @leaf
     def t_87(s):
-        return s.mm('t_86 one', s.t_86, s.one)
+        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84))
 
     @leaf
     def t_88(s):
-        return lin((1, s.t_87, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_85))
+        return (-2/s.d_V**2) * s.t_87
 
     @leaf
     def t_89(s):
-        return (-2/s.d_V**2) * s.t_88
+        return s.mm('t_88 one', s.t_88, s.one)
 
     @leaf
     def t_90(s):
-        return s.mm('t_89 one', s.t_89, s.one)
+        return lin(((1/2)*s.d_V/s.L, s.t_81), (1, s.t_87), ((1/2)*s.d_V, s.t_89))
 
     @leaf
     def t_91(s):
-        return lin(((1/2)*s.d_V/s.L, s.t_82), (1, s.t_88), ((1/2)*s.d_V, s.t_90))
+        return (2/s.d_V) * s.t_90
 
     @leaf
     def t_92(s):
-        return (2/s.d_V) * s.t_91
+        return s.mm("t_91 W_V' N_1'", s.t_91, tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_93(s):
-        return s.mm("t_92 W_V' N_1'", s.t_92, tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A, s.t_92)
 
     @leaf
-    def t_94(s):
-        return softmax_diff(s.A, s.t_93)
+    def t_110(s):
+        return (s.t_10 * s.t_84)
 
     @leaf
     def t_111(s):
-        return (s.t_10 * s.t_85)
-
-    @leaf
-    def t_112(s):
-        return mul(s.t_33, s.t_85, s.M_N_2)
+        return mul(s.t_33, s.t_84, s.M_N_2)
 
     @leaf
     def dA(s):
@@ -3408,33 +3400,33 @@ class ce_bias0_causal1(Forward):
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_95 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_96 = (1/math.sqrt(s.d_K)) * t_95
-        t_97 = softmax_diff2(s.A, t_96, s.t_93)
-        t_98 = softmax_diff(s.A, t_96)
-        t_99 = lin((1, s.prod('@t_98 N_1 W_V', t_98, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
-        t_100 = lin((-s.d_V, t_99), (1, s.mm('@t_99 one', t_99, s.one)))
-        t_101 = (-1/s.d_V) * s.mm('_ one', (t_100 * s.M_N_2), s.one)
-        t_102 = (t_101 * s.t_30)
-        t_103 = lin((-1/s.d_V, s.P_N_2, t_100), (2/s.d_V, t_102))
-        t_104 = lin((1, s.prod('@t_103 W_1', t_103, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
-        t_105 = (t_104 * s.t_11)
-        t_106 = lin((1, t_99), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_105 W_2', t_105, s.W_2)))
-        t_107 = (s.t_4 * softmax_diff(s.t_13, t_106))
-        t_108 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_107 W_2'", t_107, tr(s.W_2))))
-        t_109 = (t_108 * s.t_11)
-        t_110 = lin((1, s.prod("@t_109 W_1'", t_109, tr(s.W_1))), (1, s.prod("t_84 @V_W_1'", s.t_84, tr(V_W_1))))
-        t_113 = lin((1, s.t_30, t_110), (-1/s.d_V, s.t_111, t_100), (2/s.d_V, t_101, s.t_112))
-        t_114 = lin((1, s.P_N_2, t_110), (-2/s.d_V**2, s.t_87, t_100), (2/s.d_V, t_101, s.t_111), (2/s.d_V, s.mm('@t_113 one', t_113, s.one), s.M_N_2))
-        t_115 = lin((1, t_114), (1/s.L, t_107), (1, (-1/s.d_V) * s.mm('@t_114 one', t_114, s.one)))
-        t_116 = s.mm_sum('r', (1, "@t_115 W_V' N_1'", t_115, tr(s.W_V), tr(s.N_1)), (1, "t_92 @V_W_V' N_1'", s.t_92, tr(V_W_V), tr(s.N_1)))
-        t_117 = softmax_diff(s.A, t_116)
-        t_118 = (t_97 + t_117)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_94 N_1 @V_W_K", tr(s.N_1), s.t_94, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_118 N_1 W_K", tr(s.N_1), t_118, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_118' N_1 W_Q", tr(s.N_1), tr(t_118), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_94' N_1 @V_W_Q", tr(s.N_1), tr(s.t_94), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_98' t_92", tr(s.N_1), tr(t_98), s.t_92), (1, "N_1' A' @t_115", tr(s.N_1), tr(s.A), t_115), mean=True)
-        out_W_1 = (s.mm("@t_103' t_84", tr(t_103), s.t_84, mean=True) + s.mm("N_2' @t_109", tr(s.N_2), t_109, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' @t_107", tr(s.t_12), t_107, mean=True)), (1, s.mm("@t_105' G", tr(t_105), s.G, mean=True)))
+        t_94 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_95 = (1/math.sqrt(s.d_K)) * t_94
+        t_96 = softmax_diff2(s.A, t_95, s.t_92)
+        t_97 = softmax_diff(s.A, t_95)
+        t_98 = lin((1, s.prod('@t_97 N_1 W_V', t_97, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_99 = lin((-s.d_V, t_98), (1, s.mm('@t_98 one', t_98, s.one)))
+        t_100 = (-1/s.d_V) * s.mm('_ one', (t_99 * s.M_N_2), s.one)
+        t_101 = (t_100 * s.t_30)
+        t_102 = lin((-1/s.d_V, s.P_N_2, t_99), (2/s.d_V, t_101))
+        t_103 = lin((1, s.prod('@t_102 W_1', t_102, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_104 = (t_103 * s.t_11)
+        t_105 = lin((1, t_98), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_104 W_2', t_104, s.W_2)))
+        t_106 = (s.t_4 * softmax_diff(s.t_13, t_105))
+        t_107 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_106 W_2'", t_106, tr(s.W_2))))
+        t_108 = (t_107 * s.t_11)
+        t_109 = lin((1, s.prod("@t_108 W_1'", t_108, tr(s.W_1))), (1, s.prod("t_83 @V_W_1'", s.t_83, tr(V_W_1))))
+        t_112 = lin((1, s.t_30, t_109), (-1/s.d_V, s.t_110, t_99), (2/s.d_V, t_100, s.t_111))
+        t_113 = lin((1, s.P_N_2, t_109), (-2/s.d_V**2, s.t_86, t_99), (2/s.d_V, t_100, s.t_110), (2/s.d_V, s.mm('@t_112 one', t_112, s.one), s.M_N_2))
+        t_114 = lin((1, t_113), (1/s.L, t_106), (1, (-1/s.d_V) * s.mm('@t_113 one', t_113, s.one)))
+        t_115 = s.mm_sum('r', (1, "@t_114 W_V' N_1'", t_114, tr(s.W_V), tr(s.N_1)), (1, "t_91 @V_W_V' N_1'", s.t_91, tr(V_W_V), tr(s.N_1)))
+        t_116 = softmax_diff(s.A, t_115)
+        t_117 = (t_96 + t_116)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_93 N_1 @V_W_K", tr(s.N_1), s.t_93, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_117 N_1 W_K", tr(s.N_1), t_117, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_117' N_1 W_Q", tr(s.N_1), tr(t_117), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_93' N_1 @V_W_Q", tr(s.N_1), tr(s.t_93), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_97' t_91", tr(s.N_1), tr(t_97), s.t_91), (1, "N_1' A' @t_114", tr(s.N_1), tr(s.A), t_114), mean=True)
+        out_W_1 = (s.mm("@t_102' t_83", tr(t_102), s.t_83, mean=True) + s.mm("N_2' @t_108", tr(s.N_2), t_108, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' @t_106", tr(s.t_12), t_106, mean=True)), (1, s.mm("@t_104' G", tr(t_104), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -3448,4 +3440,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "93cf0b39ae19891039cce916"
+CHECKSUM = "2a9d056a37b20e1352a2eb5e"

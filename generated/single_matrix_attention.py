@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "25d9b6ffc043d00b7f5ba5bf"
+    STAMP = "915952b99087557cc2bdacac"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "fc07072e2d449ad5647d1025"
+    STAMP = "040c5c38ad9713f7f82337aa"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -432,10 +432,10 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "9e30e1813850493fb104541a"
+    STAMP = "a4f9547bbddd7fc9ad7d47e5"
     RUNS = {
         "@V_W_V' X'": 2,
-        '@t_21 X': 2,
+        '@t_20 X': 2,
         'A X': 7,
         "W_V' X'": 8,
     }
@@ -506,34 +506,30 @@ class ce_causal0(Forward):
 
     @leaf
     def t_9(s):
-        return (s.t * s.t_8)
-
-    @leaf
-    def t_10(s):
-        return (s.t_9 - s.Y)
+        return lin((1, s.t, s.t_8), (-1, s.Y))
 
     @leaf
     def G_2(s):
-        return (1/s.L) * s.t_10
+        return (1/s.L) * s.t_9
 
     @leaf
-    def t_11(s):
+    def t_10(s):
         return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_12(s):
-        return softmax_diff(s.A, s.t_11)
+    def t_11(s):
+        return softmax_diff(s.A, s.t_10)
 
     @leaf
-    def t_13(s):
+    def t_12(s):
         return softmax_rows(s.F_2)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_10
+        return (1/s.L) * s.t_9
 
     @leaf
-    def t_19(s):
+    def t_18(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
@@ -623,36 +619,36 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_QK = s.mm("X' t_12 X", tr(s.X), s.t_12, s.X, mean=True)
+        out_W_QK = s.mm("X' t_11 X", tr(s.X), s.t_11, s.X, mean=True)
         out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_15 = (s.t * softmax_diff(s.t_13, t_14))
-        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("@t_15 W_V' X'", t_15, tr(s.W_V), tr(s.X))), s.X, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' @t_15", tr(s.X), tr(s.A), t_15, mean=True)
+        t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_14 = (s.t * softmax_diff(s.t_12, t_13))
+        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("@t_14 W_V' X'", t_14, tr(s.W_V), tr(s.X))), s.X, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_14", tr(s.X), tr(s.A), t_14, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
-        t_17 = (softmax_diff2(s.A, s.t_11, t_16) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' @t_17 X", tr(s.X), t_17, s.X, mean=True)
-        t_18 = softmax_diff(s.A, t_16)
-        out_W_V = s.mm("X' @t_18' G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
+        t_15 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_16 = (softmax_diff2(s.A, s.t_10, t_15) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' @t_16 X", tr(s.X), t_16, s.X, mean=True)
+        t_17 = softmax_diff(s.A, t_15)
+        out_W_V = s.mm("X' @t_17' G_2", tr(s.X), tr(t_17), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
-        t_21 = softmax_diff(s.A, t_20)
-        t_22 = lin((1, s.prod('@t_21 X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_23 = (s.t * softmax_diff(s.t_8, t_22))
-        t_24 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_23 W_V' X'", t_23, tr(s.W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_24)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_21' G_3", tr(s.X), tr(t_21), s.G_3), ((1/s.L), "X' A' @t_23", tr(s.X), tr(s.A), t_23), mean=True)
+        t_19 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_20 = softmax_diff(s.A, t_19)
+        t_21 = lin((1, s.prod('@t_20 X W_V', t_20, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_22 = (s.t * softmax_diff(s.t_8, t_21))
+        t_23 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_22 W_V' X'", t_22, tr(s.W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_18, t_19) + softmax_diff(s.A, t_23)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_20' G_3", tr(s.X), tr(t_20), s.G_3), ((1/s.L), "X' A' @t_22", tr(s.X), tr(s.A), t_22), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -660,10 +656,10 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "79de14b2f42eec782b7f1e86"
+    STAMP = "eb36fee1cf200638fc9a791f"
     RUNS = {
         "@V_W_V' X'": 2,
-        '@t_21 X': 2,
+        '@t_20 X': 2,
         'A X': 7,
         "W_V' X'": 8,
     }
@@ -734,34 +730,30 @@ class ce_causal1(Forward):
 
     @leaf
     def t_9(s):
-        return (s.t * s.t_8)
-
-    @leaf
-    def t_10(s):
-        return (s.t_9 - s.Y)
+        return lin((1, s.t, s.t_8), (-1, s.Y))
 
     @leaf
     def G_2(s):
-        return (1/s.L) * s.t_10
+        return (1/s.L) * s.t_9
 
     @leaf
-    def t_11(s):
+    def t_10(s):
         return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_12(s):
-        return softmax_diff(s.A, s.t_11)
+    def t_11(s):
+        return softmax_diff(s.A, s.t_10)
 
     @leaf
-    def t_13(s):
+    def t_12(s):
         return softmax_rows(s.F_2)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_10
+        return (1/s.L) * s.t_9
 
     @leaf
-    def t_19(s):
+    def t_18(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
@@ -851,36 +843,36 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_QK = s.mm("X' t_12 X", tr(s.X), s.t_12, s.X, mean=True)
+        out_W_QK = s.mm("X' t_11 X", tr(s.X), s.t_11, s.X, mean=True)
         out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_15 = (s.t * softmax_diff(s.t_13, t_14))
-        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("@t_15 W_V' X'", t_15, tr(s.W_V), tr(s.X))), s.X, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' @t_15", tr(s.X), tr(s.A), t_15, mean=True)
+        t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_14 = (s.t * softmax_diff(s.t_12, t_13))
+        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("@t_14 W_V' X'", t_14, tr(s.W_V), tr(s.X))), s.X, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_14", tr(s.X), tr(s.A), t_14, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
-        t_17 = (softmax_diff2(s.A, s.t_11, t_16) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' @t_17 X", tr(s.X), t_17, s.X, mean=True)
-        t_18 = softmax_diff(s.A, t_16)
-        out_W_V = s.mm("X' @t_18' G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
+        t_15 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_16 = (softmax_diff2(s.A, s.t_10, t_15) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' @t_16 X", tr(s.X), t_16, s.X, mean=True)
+        t_17 = softmax_diff(s.A, t_15)
+        out_W_V = s.mm("X' @t_17' G_2", tr(s.X), tr(t_17), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
-        t_21 = softmax_diff(s.A, t_20)
-        t_22 = lin((1, s.prod('@t_21 X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
-        t_23 = (s.t * softmax_diff(s.t_8, t_22))
-        t_24 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_23 W_V' X'", t_23, tr(s.W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_24)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_21' G_3", tr(s.X), tr(t_21), s.G_3), ((1/s.L), "X' A' @t_23", tr(s.X), tr(s.A), t_23), mean=True)
+        t_19 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_20 = softmax_diff(s.A, t_19)
+        t_21 = lin((1, s.prod('@t_20 X W_V', t_20, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_22 = (s.t * softmax_diff(s.t_8, t_21))
+        t_23 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_22 W_V' X'", t_22, tr(s.W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_18, t_19) + softmax_diff(s.A, t_23)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_20' G_3", tr(s.X), tr(t_20), s.G_3), ((1/s.L), "X' A' @t_22", tr(s.X), tr(s.A), t_22), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -890,4 +882,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "b754ff4eede219d71c280c00"
+CHECKSUM = "9808ab3ab0e0cf1a8b08d91f"

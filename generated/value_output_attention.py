@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "6a1b03469f5c4c97e9cdd9c2"
+    STAMP = "1191215cbe64457bcd01c8a9"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -432,7 +432,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "870613c4fd6ae6240f87a2bf"
+    STAMP = "493c10090701aed0d815b3a1"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -840,7 +840,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "9ed2bd688339cf4381f4e6dd"
+    STAMP = "458845583001ef4bc92a19ae"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -851,33 +851,33 @@ class ce_causal0(Forward):
         '@V_W_V W_O': 2,
         "@V_W_V' X'": 3,
         "@V_W_V' X' A'": 2,
-        "@t_23 W_O'": 2,
-        "@t_23' A": 2,
-        "@t_23' A X": 2,
-        '@t_24 X': 2,
-        "@t_24' X": 2,
+        "@t_22 W_O'": 2,
+        "@t_22' A": 2,
+        "@t_22' A X": 2,
+        '@t_23 X': 2,
+        "@t_23' X": 2,
+        '@t_29 X': 2,
+        "@t_29' X": 2,
         '@t_30 X': 2,
-        "@t_30' X": 2,
-        '@t_31 X': 2,
-        "@t_31' G_2": 2,
-        '@t_36 X': 3,
-        '@t_36 X W_V': 2,
-        "@t_36' G_3": 2,
-        "@t_38 W_O'": 2,
-        "@t_38' A": 2,
-        "@t_38' A X": 2,
-        '@t_41 X': 2,
-        "@t_41' X": 2,
+        "@t_30' G_2": 2,
+        '@t_35 X': 3,
+        '@t_35 X W_V': 2,
+        "@t_35' G_3": 2,
+        "@t_37 W_O'": 2,
+        "@t_37' A": 2,
+        "@t_37' A X": 2,
+        '@t_40 X': 2,
+        "@t_40' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
-        "G_2' @t_31 X": 2,
+        "G_2' @t_30 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
-        "G_3' @t_36 X": 2,
+        "G_3' @t_35 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
@@ -886,15 +886,15 @@ class ce_causal0(Forward):
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' @t_24 X": 2,
-        "X' @t_30 X": 2,
-        "X' @t_41 X": 2,
-        "X' t_19": 4,
-        "X' t_19 X": 4,
-        "X' t_19'": 4,
-        "X' t_42": 2,
-        "X' t_42 X": 2,
-        "X' t_42'": 2,
+        "X' @t_23 X": 2,
+        "X' @t_29 X": 2,
+        "X' @t_40 X": 2,
+        "X' t_18": 4,
+        "X' t_18 X": 4,
+        "X' t_18'": 4,
+        "X' t_41": 2,
+        "X' t_41 X": 2,
+        "X' t_41'": 2,
     }
 
     @leaf
@@ -991,39 +991,35 @@ class ce_causal0(Forward):
 
     @leaf
     def t_16(s):
-        return (s.t_2 * s.t_15)
-
-    @leaf
-    def t_17(s):
-        return (s.t_16 - s.Y)
+        return lin((1, s.t_2, s.t_15), (-1, s.Y))
 
     @leaf
     def G_2(s):
-        return (1/s.L) * s.t_17
+        return (1/s.L) * s.t_16
 
     @leaf
-    def t_18(s):
+    def t_17(s):
         return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_19(s):
-        return softmax_diff(s.A, s.t_18)
+    def t_18(s):
+        return softmax_diff(s.A, s.t_17)
 
     @leaf
-    def t_20(s):
+    def t_19(s):
         return softmax_rows(s.F_2)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_17
+        return (1/s.L) * s.t_16
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_42(s):
-        return softmax_diff(s.A, s.t_34)
+    def t_41(s):
+        return softmax_diff(s.A, s.t_33)
 
     @leaf
     def dA(s):
@@ -1203,54 +1199,54 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_K", tr(s.X), s.t_19, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_19' X W_Q", tr(s.X), tr(s.t_19), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_18 X W_K", tr(s.X), s.t_18, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_18' X W_Q", tr(s.X), tr(s.t_18), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
         out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_23 = (s.t_2 * softmax_diff(s.t_20, t_22))
-        t_24 = softmax_diff(s.A, s.mm("@t_23 W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_24 X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_24' X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' @t_23 W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O), mean=True)
-        out_W_O = (1/s.L) * s.mm("W_V' X' A' @t_23", tr(s.W_V), tr(s.X), tr(s.A), t_23, mean=True)
+        t_20 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_20), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_22 = (s.t_2 * softmax_diff(s.t_19, t_21))
+        t_23 = softmax_diff(s.A, s.mm("@t_22 W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_23 X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_23' X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_22 W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' @t_22", tr(s.W_V), tr(s.X), tr(s.A), t_22, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = (1/math.sqrt(s.d_K)) * t_25
-        t_27 = softmax_diff2(s.A, t_26, s.t_18)
-        t_28 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = (t_27 + t_29)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30 X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X @V_W_K", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30' X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X @V_W_Q", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
-        t_31 = softmax_diff(s.A, t_26)
-        out_W_V = s.mm_sum('l', (1, "X' @t_31' G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_31' G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
+        t_24 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = (1/math.sqrt(s.d_K)) * t_24
+        t_26 = softmax_diff2(s.A, t_25, s.t_17)
+        t_27 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_28 = softmax_diff(s.A, t_27)
+        t_29 = (t_26 + t_28)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_18 X @V_W_K", tr(s.X), s.t_18, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_18' X @V_W_Q", tr(s.X), tr(s.t_18), s.X, V_W_Q), mean=True)
+        t_30 = softmax_diff(s.A, t_25)
+        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = (1/math.sqrt(s.d_K)) * t_32
-        t_35 = softmax_diff2(s.A, t_33, s.t_34)
-        t_36 = softmax_diff(s.A, t_33)
-        t_37 = lin((1, s.mm_sum('r', (1, '@t_36 X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
-        t_39 = s.mm_sum('r', (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/s.L), "@t_38 W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_40 = softmax_diff(s.A, t_39)
-        t_41 = (t_35 + t_40)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41 X W_K", tr(s.X), t_41, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_42 X @V_W_K", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41' X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_42' X @V_W_Q", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_36' G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' @t_38 W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_36' G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_38", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
+        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_32 = (1/math.sqrt(s.d_K)) * t_31
+        t_34 = softmax_diff2(s.A, t_32, s.t_33)
+        t_35 = softmax_diff(s.A, t_32)
+        t_36 = lin((1, s.mm_sum('r', (1, '@t_35 X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_37 = (s.t_2 * softmax_diff(s.t_15, t_36))
+        t_38 = s.mm_sum('r', (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/s.L), "@t_37 W_O' W_V' X'", t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_39 = softmax_diff(s.A, t_38)
+        t_40 = (t_34 + t_39)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_40 X W_K", tr(s.X), t_40, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_41 X @V_W_K", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_40' X W_Q", tr(s.X), tr(t_40), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_41' X @V_W_Q", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_35' G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' @t_37 W_O'", tr(s.X), tr(s.A), t_37, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_35' G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_37", tr(s.W_V), tr(s.X), tr(s.A), t_37, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1258,7 +1254,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "a8235eb40b046c96b4931d2f"
+    STAMP = "d901a82f514c63b671527722"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1269,33 +1265,33 @@ class ce_causal1(Forward):
         '@V_W_V W_O': 2,
         "@V_W_V' X'": 3,
         "@V_W_V' X' A'": 2,
-        "@t_23 W_O'": 2,
-        "@t_23' A": 2,
-        "@t_23' A X": 2,
-        '@t_24 X': 2,
-        "@t_24' X": 2,
+        "@t_22 W_O'": 2,
+        "@t_22' A": 2,
+        "@t_22' A X": 2,
+        '@t_23 X': 2,
+        "@t_23' X": 2,
+        '@t_29 X': 2,
+        "@t_29' X": 2,
         '@t_30 X': 2,
-        "@t_30' X": 2,
-        '@t_31 X': 2,
-        "@t_31' G_2": 2,
-        '@t_36 X': 3,
-        '@t_36 X W_V': 2,
-        "@t_36' G_3": 2,
-        "@t_38 W_O'": 2,
-        "@t_38' A": 2,
-        "@t_38' A X": 2,
-        '@t_41 X': 2,
-        "@t_41' X": 2,
+        "@t_30' G_2": 2,
+        '@t_35 X': 3,
+        '@t_35 X W_V': 2,
+        "@t_35' G_3": 2,
+        "@t_37 W_O'": 2,
+        "@t_37' A": 2,
+        "@t_37' A X": 2,
+        '@t_40 X': 2,
+        "@t_40' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
-        "G_2' @t_31 X": 2,
+        "G_2' @t_30 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
-        "G_3' @t_36 X": 2,
+        "G_3' @t_35 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
@@ -1304,15 +1300,15 @@ class ce_causal1(Forward):
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' @t_24 X": 2,
-        "X' @t_30 X": 2,
-        "X' @t_41 X": 2,
-        "X' t_19": 4,
-        "X' t_19 X": 4,
-        "X' t_19'": 4,
-        "X' t_42": 2,
-        "X' t_42 X": 2,
-        "X' t_42'": 2,
+        "X' @t_23 X": 2,
+        "X' @t_29 X": 2,
+        "X' @t_40 X": 2,
+        "X' t_18": 4,
+        "X' t_18 X": 4,
+        "X' t_18'": 4,
+        "X' t_41": 2,
+        "X' t_41 X": 2,
+        "X' t_41'": 2,
     }
 
     @leaf
@@ -1409,39 +1405,35 @@ class ce_causal1(Forward):
 
     @leaf
     def t_16(s):
-        return (s.t_2 * s.t_15)
-
-    @leaf
-    def t_17(s):
-        return (s.t_16 - s.Y)
+        return lin((1, s.t_2, s.t_15), (-1, s.Y))
 
     @leaf
     def G_2(s):
-        return (1/s.L) * s.t_17
+        return (1/s.L) * s.t_16
 
     @leaf
-    def t_18(s):
+    def t_17(s):
         return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_19(s):
-        return softmax_diff(s.A, s.t_18)
+    def t_18(s):
+        return softmax_diff(s.A, s.t_17)
 
     @leaf
-    def t_20(s):
+    def t_19(s):
         return softmax_rows(s.F_2)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_17
+        return (1/s.L) * s.t_16
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_42(s):
-        return softmax_diff(s.A, s.t_34)
+    def t_41(s):
+        return softmax_diff(s.A, s.t_33)
 
     @leaf
     def dA(s):
@@ -1621,54 +1613,54 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_K", tr(s.X), s.t_19, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_19' X W_Q", tr(s.X), tr(s.t_19), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_18 X W_K", tr(s.X), s.t_18, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_18' X W_Q", tr(s.X), tr(s.t_18), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
         out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_23 = (s.t_2 * softmax_diff(s.t_20, t_22))
-        t_24 = softmax_diff(s.A, s.mm("@t_23 W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_24 X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_24' X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' @t_23 W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O), mean=True)
-        out_W_O = (1/s.L) * s.mm("W_V' X' A' @t_23", tr(s.W_V), tr(s.X), tr(s.A), t_23, mean=True)
+        t_20 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_20), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_22 = (s.t_2 * softmax_diff(s.t_19, t_21))
+        t_23 = softmax_diff(s.A, s.mm("@t_22 W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_23 X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_23' X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_22 W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' @t_22", tr(s.W_V), tr(s.X), tr(s.A), t_22, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = (1/math.sqrt(s.d_K)) * t_25
-        t_27 = softmax_diff2(s.A, t_26, s.t_18)
-        t_28 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = (t_27 + t_29)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30 X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X @V_W_K", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30' X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X @V_W_Q", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
-        t_31 = softmax_diff(s.A, t_26)
-        out_W_V = s.mm_sum('l', (1, "X' @t_31' G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_31' G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
+        t_24 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = (1/math.sqrt(s.d_K)) * t_24
+        t_26 = softmax_diff2(s.A, t_25, s.t_17)
+        t_27 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_28 = softmax_diff(s.A, t_27)
+        t_29 = (t_26 + t_28)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_18 X @V_W_K", tr(s.X), s.t_18, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_18' X @V_W_Q", tr(s.X), tr(s.t_18), s.X, V_W_Q), mean=True)
+        t_30 = softmax_diff(s.A, t_25)
+        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = (1/math.sqrt(s.d_K)) * t_32
-        t_35 = softmax_diff2(s.A, t_33, s.t_34)
-        t_36 = softmax_diff(s.A, t_33)
-        t_37 = lin((1, s.mm_sum('r', (1, '@t_36 X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
-        t_39 = s.mm_sum('r', (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/s.L), "@t_38 W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_40 = softmax_diff(s.A, t_39)
-        t_41 = (t_35 + t_40)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41 X W_K", tr(s.X), t_41, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_42 X @V_W_K", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_41' X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_42' X @V_W_Q", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' @t_36' G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' @t_38 W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_36' G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_38", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
+        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_32 = (1/math.sqrt(s.d_K)) * t_31
+        t_34 = softmax_diff2(s.A, t_32, s.t_33)
+        t_35 = softmax_diff(s.A, t_32)
+        t_36 = lin((1, s.mm_sum('r', (1, '@t_35 X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_37 = (s.t_2 * softmax_diff(s.t_15, t_36))
+        t_38 = s.mm_sum('r', (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/s.L), "@t_37 W_O' W_V' X'", t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_39 = softmax_diff(s.A, t_38)
+        t_40 = (t_34 + t_39)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_40 X W_K", tr(s.X), t_40, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_41 X @V_W_K", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_40' X W_Q", tr(s.X), tr(t_40), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_41' X @V_W_Q", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_35' G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' @t_37 W_O'", tr(s.X), tr(s.A), t_37, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_35' G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_37", tr(s.W_V), tr(s.X), tr(s.A), t_37, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1678,4 +1670,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "bccf6431b03fbc9cecc7bebc"
+CHECKSUM = "f49b3a687ec2462dcfcdc0eb"

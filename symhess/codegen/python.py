@@ -829,7 +829,8 @@ def _sum_code(pr, n, mean=False):
     def code(t):
         return (yield from _mean_code(pr, t)) if mean else (yield "ccode", t)
     if head is None and len(items) == 2 and all(sp.sympify(c) in (1, -1) for c, _ in items) \
-            and sp.sympify(items[0][0]) == 1 and (mean or not any(_deferred(pr, t) for _, t in items)):
+            and sp.sympify(items[0][0]) == 1 and (mean or not any(_deferred(pr, t) or
+                                                                  _fused(pr, t) for _, t in items)):
         a = yield from code(items[0][1])
         b = yield from code(items[1][1])
         return f"({a} {'+' if sp.sympify(items[1][0]) == 1 else '-'} {b})"
@@ -878,15 +879,22 @@ def _lin_term(pr, c, t, mean=False):
         coef = pr.coef(sp.sympify(c) * c2) if c2 != 1 else coef
         codes, names = yield from _factors(pr, factors)
         return f"({coef}, s.prod({names!r}, " + ", ".join(codes) + "))"
-    if isinstance(t, E.Hadamard) and not (pr.uses(t) > 1 or t in pr.hints or
-                                          t in pr.leaf_names or
-                                          (pr.local_names is not None and t in pr.local_names)):
+    if _fused(pr, t):
         c2, t = _hoisted(pr, t)
-        coef = pr.coef(sp.sympify(c) * c2) if c2 != 1 else coef
-        codes = yield from _codes(_hadamard_factors(pr, t), "ccode")
+        c3, fs = _hadamard_factors(pr, t)
+        coef = pr.coef(sp.sympify(c) * c2 * c3) if c2 * c3 != 1 else coef
+        codes = yield from _codes(fs, "ccode")
         x = codes[0] if len(codes) == 2 else _product(codes[:-1])
         return f"({coef}, {x}, {codes[-1]})"
     return f"({coef}, {(yield 'ccode', t)})"
+
+
+def _fused(pr, t):
+    """Whether the term t of a sum is an entrywise product without a name of its own: ``lin``
+    takes it as (c, x, y) and adds x ∘ y in the pass that adds it (``addcmul``), never as an
+    array of its own."""
+    return isinstance(t, E.Hadamard) and not (pr.uses(t) > 1 or t in pr.hints or t in pr.leaf_names
+                                              or (pr.local_names is not None and t in pr.local_names))
 
 
 def _hoisted(pr, node):
@@ -962,20 +970,50 @@ def _transpose(pr, n):
 @rule(E.Hadamard)
 def _hadamard(pr, n):
     """A ∘ B ∘ …, the per-token columns (``form``) multiplied first (on R entries); three or
-    more factors as ``mul`` (one fresh array, the rest multiplied in place)."""
-    return _product((yield from _codes(_hadamard_factors(pr, n), "ccode")))
+    more factors as ``mul`` (one fresh array, the rest multiplied in place).  The scalars of
+    the factors (``_pulled``) scale the first factor, a per-token column where there is one."""
+    c, fs = _hadamard_factors(pr, n)
+    codes = yield from _codes(fs, "ccode")
+    if c != 1:
+        codes[0] = _scaled(pr, c, codes[0])
+    return _product(codes)
 
 
 def _hadamard_factors(pr, n):
-    """The factors of A ∘ B ∘ …, per-token columns first; in a routine, the factors that do
-    not depend on its arguments are one factor (their product a leaf, formed once per
-    prepared state) when the others do."""
+    """(c, factors) of A ∘ B ∘ … = c · (F₁ ∘ F₂ ∘ ⋯), each factor's scalar pulled out
+    (``_pulled``), per-token columns first; in a routine, the factors that do not depend on
+    its arguments are one factor (their product a leaf, formed once per prepared state) when
+    the others do."""
     fs = list(n.args)
     if pr.local_names is not None:
         fixed = [a for a in fs if not pr.depends_on_arguments(a)]
         if 2 <= len(fixed) < len(fs):
             fs = [E.hadamard(*fixed)] + [a for a in fs if pr.depends_on_arguments(a)]
-    return sorted(fs, key=lambda a: pr.form(a) is None)
+    c = sp.Integer(1)
+    out = []
+    for f in fs:
+        cf, g = _pulled(pr, f)
+        c, out = c * cf, out + [g]
+    return c, sorted(out, key=lambda a: pr.form(a) is None)
+
+
+def _pulled(pr, node):
+    """(c, node′) with node = c · node′ for a factor of an entrywise product that has no name
+    of its own: a scaled array c · A, or a sum printed as a multiple c · S of a shared sum.
+    Its scalar then joins the product's (on a per-token column, or a ``lin`` coefficient)
+    instead of a pass of its own over A or S.  (1, node) otherwise."""
+    one = sp.Integer(1)
+    if node in pr.leaf_names or (pr.local_names is not None and node in pr.local_names):
+        return one, node
+    if isinstance(node, E.Scale):
+        return sp.sympify(node.coef), node.args[0]
+    items = pr.summands.get(node) if isinstance(node, E.Add) else None
+    if items and len(items) == 1:
+        return sp.sympify(items[0][0]), items[0][1]
+    scaled = _monic_sum(node)
+    if scaled is not None and pr.uses(scaled[1]) > 1:
+        return scaled
+    return one, node
 
 
 @rule(E.Elementwise)
