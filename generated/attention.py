@@ -762,10 +762,24 @@ class ce_causal0(Forward):
             net(1, 'nab,ncad,nde->ncbe', s.X, s.d2A, s.X),
         ])
 
+    @leaf
+    def S(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S', [
+            net(1, 'nabc,bd->nacd', s.M_2, s.W_V),
+        ])
+
+    @leaf
+    def S_2(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_2', [
+            net(1, 'nabc,nade,be->nacd', s.M_2, s.dA_2, s.W_V),
+        ])
+
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_K),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncd,nce,ncf,gh,ncae,ncge->db|fh', s.W_K, s.X, s.t_2, s.X, s.W_K, s.S, s.S_2),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -777,7 +791,7 @@ class ce_causal0(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncd,nce,ncf,fg,ncae,nche->db|hg', s.W_K, s.X, s.t_2, s.X, s.W_Q, s.S, s.S_2),
         ]
 
     def block__W_Q__W_K__functional(s):
@@ -790,7 +804,7 @@ class ce_causal0(Forward):
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncd,nce,ncef,ncg,ncae->db|gf', s.W_K, s.X, s.t_2, s.dA_2, s.M_1, s.S),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -802,7 +816,7 @@ class ce_causal0(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,nca,ncd,nce,ef,ncgd,nchd->gb|hf', s.W_Q, s.X, s.t_2, s.X, s.W_Q, s.S, s.S_2),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -814,7 +828,7 @@ class ce_causal0(Forward):
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,nca,ncd,ncde,ncf,ncgd->gb|fe', s.W_Q, s.X, s.t_2, s.dA_2, s.M_1, s.S),
         ]
 
     def block__W_K__W_V__functional(s):
@@ -1069,10 +1083,24 @@ class ce_causal1(Forward):
             net(1, 'nab,ncad,nde->ncbe', s.X, s.d2A, s.X),
         ])
 
+    @leaf
+    def S(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S', [
+            net(1, 'nabc,bd->nacd', s.M_2, s.W_V),
+        ])
+
+    @leaf
+    def S_2(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_2', [
+            net(1, 'nabc,nade,be->nacd', s.M_2, s.dA_2, s.W_V),
+        ])
+
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_K),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncd,nce,ncf,gh,ncae,ncge->db|fh', s.W_K, s.X, s.t_2, s.X, s.W_K, s.S, s.S_2),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -1084,7 +1112,7 @@ class ce_causal1(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncd,nce,ncf,fg,ncae,nche->db|hg', s.W_K, s.X, s.t_2, s.X, s.W_Q, s.S, s.S_2),
         ]
 
     def block__W_Q__W_K__functional(s):
@@ -1097,7 +1125,7 @@ class ce_causal1(Forward):
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncd,nce,ncef,ncg,ncae->db|gf', s.W_K, s.X, s.t_2, s.dA_2, s.M_1, s.S),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -1109,7 +1137,7 @@ class ce_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,nca,ncd,nce,ef,ncgd,nchd->gb|hf', s.W_Q, s.X, s.t_2, s.X, s.W_Q, s.S, s.S_2),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -1121,7 +1149,7 @@ class ce_causal1(Forward):
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,nca,ncd,ncde,ncf,ncgd->gb|fe', s.W_Q, s.X, s.t_2, s.dA_2, s.M_1, s.S),
         ]
 
     def block__W_K__W_V__functional(s):
@@ -1212,4 +1240,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f935ca77e6eb9bbaba844a3f"
+CHECKSUM = "6c7f4532ab6172c80d4b7ae2"

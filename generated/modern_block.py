@@ -28,11 +28,11 @@ class mse_causal0(Forward):
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_156'": 2,
-        "@V_W_O1 t_39'": 2,
+        "@V_W_O1 t_37'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
         "@V_W_O2 t_156'": 2,
-        "@V_W_O2 t_39'": 2,
+        "@V_W_O2 t_37'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
         "@V_W_Q1' N_1'": 2,
@@ -44,10 +44,10 @@ class mse_causal0(Forward):
         "@V_W_V' N_1' A2'": 2,
         '@t_111 N_1': 3,
         '@t_111 N_1 W_V': 2,
-        "@t_111' t_39": 2,
+        "@t_111' t_37": 2,
         '@t_115 N_1': 3,
         '@t_115 N_1 W_V': 2,
-        "@t_115' t_39": 2,
+        "@t_115' t_37": 2,
         "@t_128 W_O1'": 2,
         "@t_128 W_O2'": 2,
         "@t_128' A1": 2,
@@ -75,11 +75,11 @@ class mse_causal0(Forward):
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
         "A1' t_156": 2,
-        "A1' t_39": 5,
+        "A1' t_37": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
         "A2' t_156": 2,
-        "A2' t_39": 5,
+        "A2' t_37": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
         'N_1 @V_W_V W_O2': 2,
@@ -89,21 +89,21 @@ class mse_causal0(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_111' t_39": 2,
-        "N_1' @t_115' t_39": 2,
+        "N_1' @t_111' t_37": 2,
+        "N_1' @t_115' t_37": 2,
         "N_1' @t_159' t_156": 2,
         "N_1' @t_163' t_156": 2,
         "N_1' A1' t_156": 2,
-        "N_1' A1' t_39": 4,
+        "N_1' A1' t_37": 4,
         "N_1' A2' t_156": 2,
-        "N_1' A2' t_39": 4,
+        "N_1' A2' t_37": 4,
         "W_O1 t_156'": 3,
         "W_O1 t_23'": 2,
-        "W_O1 t_39'": 5,
+        "W_O1 t_37'": 5,
         "W_O1' W_V'": 13,
         "W_O2 t_156'": 3,
         "W_O2 t_23'": 2,
-        "W_O2 t_39'": 5,
+        "W_O2 t_37'": 5,
         "W_O2' W_V'": 13,
     }
 
@@ -261,175 +261,175 @@ class mse_causal0(Forward):
 
     @leaf
     def t_25(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
-
-    @leaf
-    def t_26(s):
         return s.mm("t_23 W_O1'", s.t_23, tr(s.W_O1))
 
     @leaf
-    def t_27(s):
+    def t_26(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_28(s):
+    def t_27(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return (s.t_12 * s.t_11)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return tr(s.t_6)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return softmax_diff(s.A2, s.mm("t_23 W_O2' W_V' N_1'", s.t_23, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_33(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
-
-    @leaf
-    def t_34(s):
+    def t_32(s):
         return s.mm("t_23 W_O2'", s.t_23, tr(s.W_O2))
 
     @leaf
-    def t_35(s):
+    def t_33(s):
         return tr(s.t_7)
 
     @leaf
-    def t_36(s):
+    def t_34(s):
         return tr(s.t_8)
 
     @leaf
-    def t_37(s):
+    def t_35(s):
         return mul((2/s.d_V) * s.t_19, s.t_20, s.Y_2)
 
     @leaf
+    def t_36(s):
+        return s.mm('t_35 one', s.t_35, s.one)
+
+    @leaf
+    def t_37(s):
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_36, s.Y_2), (1, s.G))
+
+    @leaf
     def t_38(s):
-        return s.mm('t_37 one', s.t_37, s.one)
+        return s.mm("t_37 W_O1'", s.t_37, tr(s.W_O1))
 
     @leaf
     def t_39(s):
-        return lin((1, s.t_19, s.R_N_2), (1, s.t_38, s.Y_2), (1, s.G))
+        return s.mm("t_37 W_O2'", s.t_37, tr(s.W_O2))
 
     @leaf
     def t_40(s):
-        return s.mm("t_39 W_O1'", s.t_39, tr(s.W_O1))
+        return s.mm("A1' t_37", tr(s.A1), s.t_37)
 
     @leaf
     def t_41(s):
-        return s.mm("t_39 W_O2'", s.t_39, tr(s.W_O2))
+        return s.mm("A2' t_37", tr(s.A2), s.t_37)
 
     @leaf
     def t_42(s):
-        return s.mm("A1' t_39", tr(s.A1), s.t_39)
+        return tr(s.t_26)
 
     @leaf
     def t_43(s):
-        return s.mm("A2' t_39", tr(s.A2), s.t_39)
+        return tr(s.t_28)
 
     @leaf
     def t_44(s):
-        return tr(s.t_27)
-
-    @leaf
-    def t_45(s):
-        return tr(s.t_29)
-
-    @leaf
-    def t_46(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
-    def t_47(s):
+    def t_45(s):
         return s.mm("t_15' t_15", tr(s.t_15), s.t_15)
 
     @leaf
-    def t_48(s):
+    def t_46(s):
         return (s.t_20 * s.Y_2)
 
     @leaf
-    def t_49(s):
+    def t_47(s):
         return mul(s.t_13, s.t_11, s.t_14)
 
     @leaf
-    def t_50(s):
+    def t_48(s):
         return (s.t_12 * s.t_14)
 
     @leaf
-    def t_51(s):
+    def t_49(s):
         return mul(((2.0 * s.t_12) - 1.0), (s.t_12 - 1.0), s.t_12)
 
     @leaf
-    def t_52(s):
-        return mul(s.t_51, s.t_16, s.t_11, s.t_14)
+    def t_50(s):
+        return mul(s.t_49, s.t_16, s.t_11, s.t_14)
 
     @leaf
-    def t_53(s):
+    def t_51(s):
         return mul(s.t_13, s.t_16, s.t_14)
 
     @leaf
-    def t_54(s):
+    def t_52(s):
         return mul(s.t_13, s.t_16, s.t_11)
 
     @leaf
-    def t_55(s):
+    def t_53(s):
         return (s.t_12 * s.t_16)
 
     @leaf
-    def t_56(s):
+    def t_54(s):
         return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19 * s.t_20)
 
     @leaf
-    def t_57(s):
+    def t_55(s):
         return (0.75 * (s.t_10 ** -2.5))
 
     @leaf
-    def t_58(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19, s.t_57, s.Y_2)
+    def t_56(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19, s.t_55, s.Y_2)
 
     @leaf
-    def t_59(s):
+    def t_57(s):
         return bcast_last(s.t_22, s.d_V)
 
     @leaf
-    def t_60(s):
+    def t_58(s):
         return ((1/math.sqrt(s.d_K)) * s.t_19 * s.t_20)
 
     @leaf
+    def t_59(s):
+        return (1/math.sqrt(s.d_K)) * s.t_37
+
+    @leaf
+    def t_60(s):
+        return softmax_diff(s.A1, s.mm("t_59 W_O1' W_V' N_1'", s.t_59, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_61(s):
-        return (1/math.sqrt(s.d_K)) * s.t_39
-
-    @leaf
-    def t_62(s):
-        return softmax_diff(s.A1, s.mm("t_61 W_O1' W_V' N_1'", s.t_61, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_63(s):
         return ((2/s.d_V) * s.t_19 * s.t_20)
 
     @leaf
+    def t_62(s):
+        return mul((2/s.d_V) * s.t_19, s.t_55, s.Y_2)
+
+    @leaf
+    def t_63(s):
+        return bcast_last(s.t_36, s.d_V)
+
+    @leaf
     def t_64(s):
-        return mul((2/s.d_V) * s.t_19, s.t_57, s.Y_2)
-
-    @leaf
-    def t_65(s):
-        return bcast_last(s.t_38, s.d_V)
-
-    @leaf
-    def t_66(s):
         return (s.t_19 * s.t_20)
 
     @leaf
+    def t_65(s):
+        return softmax_diff(s.A2, s.mm("t_59 W_O2' W_V' N_1'", s.t_59, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_66(s):
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+
+    @leaf
     def t_67(s):
-        return softmax_diff(s.A2, s.mm("t_61 W_O2' W_V' N_1'", s.t_61, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
     def one_2(s):
@@ -461,7 +461,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_74(s):
-        return s.mm("t_32 t_2'", s.t_32, tr(s.t_2))
+        return s.mm("t_31 t_2'", s.t_31, tr(s.t_2))
 
     @leaf
     def t_75(s):
@@ -473,11 +473,11 @@ class mse_causal0(Forward):
 
     @leaf
     def t_77(s):
-        return s.mm("t_62' t_35'", tr(s.t_62), tr(s.t_35))
+        return s.mm("t_60' t_33'", tr(s.t_60), tr(s.t_33))
 
     @leaf
     def t_78(s):
-        return s.mm("t_67' t_36'", tr(s.t_67), tr(s.t_36))
+        return s.mm("t_65' t_34'", tr(s.t_65), tr(s.t_34))
 
     @leaf
     def t_79(s):
@@ -493,19 +493,19 @@ class mse_causal0(Forward):
 
     @leaf
     def t_88(s):
-        return (s.t_49 + s.t_50)
+        return (s.t_47 + s.t_48)
 
     @leaf
     def t_108(s):
-        return s.mm("t_39 W_O1' W_V' N_1'", s.t_39, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return s.mm("t_37 W_O1' W_V' N_1'", s.t_37, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_110(s):
-        return lin((1, s.t_52), (2, s.t_53))
+        return lin((1, s.t_50), (2, s.t_51))
 
     @leaf
     def t_122(s):
-        return (s.t_54 + s.t_55)
+        return (s.t_52 + s.t_53)
 
     @leaf
     def t_132(s):
@@ -513,7 +513,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_134(s):
-        return s.mm("t_39 W_O2' W_V' N_1'", s.t_39, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return s.mm("t_37 W_O2' W_V' N_1'", s.t_37, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_139(s):
@@ -569,7 +569,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_172(s):
-        return lin((1, mul(s.t_51, s.t_148, s.t_11), s.t_14), (2, (s.t_13 * s.t_148), s.t_14))
+        return lin((1, mul(s.t_49, s.t_148, s.t_11), s.t_14), (2, (s.t_13 * s.t_148), s.t_14))
 
     @leaf
     def t_174(s):
@@ -585,7 +585,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_180(s):
-        return mul((2/s.d_V) * s.t_153, s.t_57, s.Y_2)
+        return mul((2/s.d_V) * s.t_153, s.t_55, s.Y_2)
 
     @leaf
     def t_186(s):
@@ -620,15 +620,15 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_46),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_49),
-            net(1, 'nab->nab', s.t_50),
+            net(1, 'nab->nab', s.t_47),
+            net(1, 'nab->nab', s.t_48),
         ])
 
     @leaf
@@ -636,7 +636,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_30),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_29),
         ])
 
     @leaf
@@ -644,7 +644,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_30, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_29, s.W_3),
         ])
 
     @leaf
@@ -652,7 +652,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_48, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_46, ONES, s.Y_2),
         ])
 
     @leaf
@@ -692,16 +692,16 @@ class mse_causal0(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_52),
-            net(2, 'nab->nab', s.t_53),
+            net(1, 'nab->nab', s.t_50),
+            net(2, 'nab->nab', s.t_51),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_54),
-            net(1, 'nab->nab', s.t_55),
+            net(1, 'nab->nab', s.t_52),
+            net(1, 'nab->nab', s.t_53),
         ])
 
     @leaf
@@ -724,17 +724,17 @@ class mse_causal0(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_56, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_58, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_54, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_56, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_46, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_60, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_58, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -808,16 +808,16 @@ class mse_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_32, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_32),
+            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_31, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_31),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_31, s.S_17, s.t_6, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_30, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -825,26 +825,26 @@ class mse_causal0(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_62, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_62),
+            net(1, 'nab,bc->nabc', s.t_60, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_60, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_60),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_61, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_62, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_46, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
@@ -853,9 +853,9 @@ class mse_causal0(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_67, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_67, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_67),
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_65, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_65),
         ])
 
     @leaf
@@ -863,7 +863,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_46),
         ])
 
     @leaf
@@ -887,8 +887,8 @@ class mse_causal0(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_49),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_50),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_47),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_48),
         ])
 
     @leaf
@@ -897,6 +897,76 @@ class mse_causal0(Forward):
         return Compact('S_31', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
             net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
+        ])
+
+    @leaf
+    def S_32(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_32', [
+            net(1, 'nabc,nacd,de->nabe', s.S_3, s.S_5, s.W_2),
+        ])
+
+    @leaf
+    def S_33(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_33', [
+            net(1, 'nabc,nadb,de->nace', s.S_7, s.S_6, s.W_2),
+        ])
+
+    @leaf
+    def S_34(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_34', [
+            net(1, 'abc,deb->ecad', s.S_10, s.S_20),
+        ])
+
+    @leaf
+    def S_35(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_35', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_66),
+        ])
+
+    @leaf
+    def S_36(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_36', [
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_23),
+        ])
+
+    @leaf
+    def S_37(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_37', [
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_5),
+        ])
+
+    @leaf
+    def S_38(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_38', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_67),
+        ])
+
+    @leaf
+    def S_39(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_39', [
+            net(1, 'nabc,db->nacd', s.S_26, s.t_66),
+        ])
+
+    @leaf
+    def S_40(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_40', [
+            net(1, 'nabc,db->nacd', s.S_26, s.t_67),
+        ])
+
+    @leaf
+    def S_41(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_41', [
+            net(1, 'nabc,nadb->nacd', s.S_7, s.S_6),
         ])
 
     def block__W_Q1__W_Q1__outer(s):
@@ -926,14 +996,14 @@ class mse_causal0(Forward):
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_32),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_33),
         ]
 
     def block__W_Q1__W_K__functional(s):
@@ -942,7 +1012,7 @@ class mse_causal0(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_24, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_24, s.N_1, s.S_34),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -950,45 +1020,45 @@ class mse_causal0(Forward):
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_32),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_33),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_26),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_28, s.t_23),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_28, s.W_O1, s.S_17, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_27, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_27, s.W_O1, s.S_17, s.t_26),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_28),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_28),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -1001,13 +1071,13 @@ class mse_causal0(Forward):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.N_2, s.S_36),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -1026,13 +1096,13 @@ class mse_causal0(Forward):
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.G, s.S_37),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -1044,247 +1114,247 @@ class mse_causal0(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_33),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_32, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_31, s.N_1, s.S_34),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_33),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_33, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_33, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_32),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_26),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_26),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_28),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_28, s.t_23),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_28, s.W_O2, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_27, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_27, s.W_O2, s.S_17, s.t_28),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.N_2, s.S_36),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_22, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.G, s.S_37),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_33),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_35, s.d2A_3, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_36, s.d2A_4, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_33, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_34, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_33),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_25, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_25, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_33, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_33, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.t_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.t_39),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_9, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_9, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_9, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_9, s.t_26),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_35, s.dA, s.t_28, s.t_39),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_28, s.W_O1, s.S_26, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_33, s.dA, s.t_27, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_33, s.dA, s.t_27, s.W_O1, s.S_26, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_26, s.t_26),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_9, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_9, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_9, s.t_28),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_28, s.t_39),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_28, s.W_O2, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_26, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_27, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_27, s.W_O2, s.S_26, s.t_28),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.N_2, s.S_36),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.W_2, s.t_30, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_22, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_22, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.G, s.S_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.G, s.S_37),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -1292,20 +1362,20 @@ class mse_causal0(Forward):
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_32),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_33),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_32),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_33),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -1320,31 +1390,31 @@ class mse_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_27),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_27),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_26),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_26),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_42, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_27),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_40, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_26),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_26),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_28),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_28),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_43, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_41, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_28),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_28),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -1358,16 +1428,16 @@ class mse_causal0(Forward):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_36),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_36),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_30, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_29, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -1389,126 +1459,126 @@ class mse_causal0(Forward):
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A1, s.W_O1, s.G, s.S_37),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A2, s.W_O2, s.G, s.S_37),
         ]
 
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_28, s.t_27),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_28, s.t_26),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_26, s.t_26),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_28, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_28, s.t_28),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_26, s.t_28),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_44, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_44, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_44, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_42, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_42, s.N_2, s.S_36),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_44, s.S_29, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_29, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_44, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_44, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_42, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_42, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_29, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_44, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_42, s.G, s.S_37),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_28, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_28, s.t_28),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_26, s.t_28),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_45, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_45, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_43, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_43, s.N_2, s.S_36),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_45, s.S_29, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_29, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_43, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_43, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_29, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_45, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_43, s.G, s.S_37),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_46, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_44, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -1520,7 +1590,7 @@ class mse_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_46, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_44, s.t_29, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -1544,25 +1614,25 @@ class mse_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_30, s.t_46, s.t_30, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_29, s.t_44, s.t_29, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_30, s.t_15, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_29, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_30, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_29, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_47, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_45, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q1(s):
@@ -1582,8 +1652,8 @@ class mse_causal0(Forward):
         return [
             net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_41),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_41),
         ]
 
     def jacobian__W_V(s):
@@ -1591,20 +1661,20 @@ class mse_causal0(Forward):
         return [
             net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
             net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A1, s.W_O1, s.N_1, s.S_41),
+            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A2, s.W_O2, s.N_1, s.S_41),
         ]
 
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_27),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_26),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_28),
         ]
 
     def jacobian__W_1(s):
@@ -1616,7 +1686,7 @@ class mse_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_30, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_29, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -1634,9 +1704,9 @@ class mse_causal0(Forward):
         out_W_Q1 = s.mm_sum('l', (1, "N_1' t_72", tr(s.N_1), s.t_72), (1, "N_1' t_73 R'", tr(s.N_1), s.t_73, tr(s.R)), mean=True)
         out_W_Q2 = s.mm_sum('l', (1, "N_1' t_75 R'", tr(s.N_1), s.t_75, tr(s.R)), (1, "N_1' t_76", tr(s.N_1), s.t_76), mean=True)
         out_W_K = s.mm_sum('l', (1, "N_1' t_80 R'", tr(s.N_1), s.t_80, tr(s.R)), (1, "N_1' t_81", tr(s.N_1), s.t_81), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_39 W_O1'", tr(s.N_1), tr(s.A1), s.t_39, tr(s.W_O1)), (1, "N_1' A2' t_39 W_O2'", tr(s.N_1), tr(s.A2), s.t_39, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_39", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_39, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_39", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_39, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_37 W_O1'", tr(s.N_1), tr(s.A1), s.t_37, tr(s.W_O1)), (1, "N_1' A2' t_37 W_O2'", tr(s.N_1), tr(s.A2), s.t_37, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_37", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_37, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_37", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_37, mean=True)
         out_W_1 = s.mm("N_2' t_17", tr(s.N_2), s.t_17, mean=True)
         out_W_3 = s.mm("N_2' t_18", tr(s.N_2), s.t_18, mean=True)
         out_W_2 = s.mm("t_15' G", tr(s.t_15), s.G, mean=True)
@@ -1646,26 +1716,26 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_82 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_83 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_84 = lin((1/math.sqrt(s.d_K), s.prod("t_35' @t_82", tr(s.t_35), t_82)), (1/math.sqrt(s.d_K), s.prod("@t_83 t_5'", t_83, tr(s.t_5))))
+        t_84 = lin((1/math.sqrt(s.d_K), s.prod("t_33' @t_82", tr(s.t_33), t_82)), (1/math.sqrt(s.d_K), s.prod("@t_83 t_5'", t_83, tr(s.t_5))))
         t_85 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_86 = lin((1/math.sqrt(s.d_K), s.prod("@t_85 t_5'", t_85, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_36' @t_82", tr(s.t_36), t_82)))
+        t_86 = lin((1/math.sqrt(s.d_K), s.prod("@t_85 t_5'", t_85, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_34' @t_82", tr(s.t_34), t_82)))
         t_87 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_84), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_86), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_89 = lin((1, t_87, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_87 * s.Y_2), s.one), s.t_48))
+        t_89 = lin((1, t_87, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_87 * s.Y_2), s.one), s.t_46))
         t_90 = lin((1, s.prod('@t_89 W_1', t_89, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_91 = lin((1, s.prod('@t_89 W_3', t_89, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_92 = lin((1, t_87), (1, s.prod('_ W_2', lin((1, s.t_88, t_90), (1, s.t_30, t_91)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_92 = lin((1, t_87), (1, s.prod('_ W_2', lin((1, s.t_88, t_90), (1, s.t_29, t_91)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
         t_93 = (2/(s.L*s.d_V)) * s.mm("@t_92 W_2'", t_92, tr(s.W_2))
         t_94 = (s.t_88 * t_93)
-        t_95 = (s.t_30 * t_93)
+        t_95 = (s.t_29 * t_93)
         t_96 = lin((1, s.prod("@t_94 W_1'", t_94, tr(s.W_1))), (1, s.prod("@t_95 W_3'", t_95, tr(s.W_3))))
-        t_97 = lin((2/(s.L*s.d_V), t_92), (1, t_96, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_48 * t_96), s.one), s.Y_2))
+        t_97 = lin((2/(s.L*s.d_V), t_92), (1, t_96, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_46 * t_96), s.one), s.Y_2))
         t_98 = softmax_diff(s.A1, s.mm("@t_97 W_O1' W_V' N_1'", t_97, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_99 = s.mm("@t_98 t_2'", t_98, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_99 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_99 * s.S), tr(s.R)), mean=True)
         t_100 = softmax_diff(s.A2, s.mm("@t_97 W_O2' W_V' N_1'", t_97, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
         t_101 = s.mm("@t_100 t_2'", t_100, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_101 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_101 * s.C)), mean=True)
-        t_102 = lin((1, s.prod("@t_98' t_35'", tr(t_98), tr(s.t_35))), (1, s.prod("@t_100' t_36'", tr(t_100), tr(s.t_36))))
+        t_102 = lin((1, s.prod("@t_98' t_33'", tr(t_98), tr(s.t_33))), (1, s.prod("@t_100' t_34'", tr(t_100), tr(s.t_34))))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_97 W_O2'", tr(s.N_1), tr(s.A2), t_97, tr(s.W_O2)), (1, "N_1' A1' @t_97 W_O1'", tr(s.N_1), tr(s.A1), t_97, tr(s.W_O1)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' @t_97", tr(s.W_V), tr(s.N_1), tr(s.A1), t_97, mean=True)
@@ -1680,42 +1750,42 @@ class mse_causal0(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_104 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_105 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_106 = lin((1, s.prod("t_35' @t_104", tr(s.t_35), t_104)), (1, s.prod("@t_105 t_5'", t_105, tr(s.t_5))))
+        t_106 = lin((1, s.prod("t_33' @t_104", tr(s.t_33), t_104)), (1, s.prod("@t_105 t_5'", t_105, tr(s.t_5))))
         t_107 = (1/math.sqrt(s.d_K)) * t_106
         t_109 = softmax_diff2(s.A1, t_107, s.t_108)
         t_111 = softmax_diff(s.A1, t_107)
         t_112 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_113 = lin((1, s.prod("@t_112 t_5'", t_112, tr(s.t_5))), (1, s.prod("t_36' @t_104", tr(s.t_36), t_104)))
+        t_113 = lin((1, s.prod("@t_112 t_5'", t_112, tr(s.t_5))), (1, s.prod("t_34' @t_104", tr(s.t_34), t_104)))
         t_114 = (1/math.sqrt(s.d_K)) * t_113
         t_115 = softmax_diff(s.A2, t_114)
         t_116 = lin((1, s.mm_sum('r', (1, '@t_111 N_1 W_V W_O1', t_111, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_115 N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
-        t_118 = (t_117 * s.t_48)
+        t_118 = (t_117 * s.t_46)
         t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
         t_120 = lin((1, s.prod('@t_119 W_1', t_119, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_121 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
         t_123 = lin((1, s.prod('@t_119 W_3', t_119, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_124 = lin((1, s.t_110, t_120), (1, s.t_88, t_121), (1, s.t_122, t_123))
-        t_125 = lin((1, s.t_122, t_120), (1, s.t_30, t_121))
+        t_125 = lin((1, s.t_122, t_120), (1, s.t_29, t_121))
         t_126 = lin((1, s.prod("@t_124 W_1'", t_124, tr(s.W_1))), (1, s.prod("@t_125 W_3'", t_125, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
-        t_127 = lin((1, s.t_63, t_116), (2/s.d_V, s.t_48, t_126), (2/s.d_V, t_117, s.t_64))
-        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_66), (1, s.t_38, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
-        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 @V_W_O1' W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' @V_W_V' N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_127 = lin((1, s.t_61, t_116), (2/s.d_V, s.t_46, t_126), (2/s.d_V, t_117, s.t_62))
+        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_64), (1, s.t_36, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
+        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_37 @V_W_O1' W_V' N_1'", s.t_37, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_37 W_O1' @V_W_V' N_1'", s.t_37, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_130 = softmax_diff(s.A1, t_129)
         t_131 = (t_109 + t_130)
         t_133 = lin((1, s.prod("@t_131 t_2'", t_131, tr(s.t_2))), (1, s.prod("t_132 @t_104'", s.t_132, tr(t_104))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), mean=True)
         t_135 = softmax_diff2(s.A2, t_114, s.t_134)
-        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' @V_W_V' N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_39 @V_W_O2' W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_37 W_O2' @V_W_V' N_1'", s.t_37, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_37 @V_W_O2' W_V' N_1'", s.t_37, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
         t_137 = softmax_diff(s.A2, t_136)
         t_138 = (t_135 + t_137)
         t_140 = lin((1, s.prod("@t_138 t_2'", t_138, tr(s.t_2))), (1, s.prod("t_139 @t_104'", s.t_139, tr(t_104))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), mean=True)
-        t_141 = lin((1, s.prod("@t_131' t_35'", tr(t_131), tr(s.t_35))), (1, s.prod("@t_138' t_36'", tr(t_138), tr(s.t_36))), (1, s.prod("t_132' @t_105", tr(s.t_132), t_105)), (1, s.prod("t_139' @t_112", tr(s.t_139), t_112)))
+        t_141 = lin((1, s.prod("@t_131' t_33'", tr(t_131), tr(s.t_33))), (1, s.prod("@t_138' t_34'", tr(t_138), tr(s.t_34))), (1, s.prod("t_132' @t_105", tr(s.t_132), t_105)), (1, s.prod("t_139' @t_112", tr(s.t_139), t_112)))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_141 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_39 W_O2'", tr(s.N_1), tr(t_115), s.t_39, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A1' t_39 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_39, tr(V_W_O1)), (1, "N_1' @t_111' t_39 W_O1'", tr(s.N_1), tr(t_111), s.t_39, tr(s.W_O1)), (1, "N_1' A2' t_39 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_39, tr(V_W_O2)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_39", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_39), (1, "W_V' N_1' @t_111' t_39", tr(s.W_V), tr(s.N_1), tr(t_111), s.t_39), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_39", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_39), (1, "W_V' N_1' @t_115' t_39", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_39), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_37 W_O2'", tr(s.N_1), tr(t_115), s.t_37, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A1' t_37 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_37, tr(V_W_O1)), (1, "N_1' @t_111' t_37 W_O1'", tr(s.N_1), tr(t_111), s.t_37, tr(s.W_O1)), (1, "N_1' A2' t_37 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_37, tr(V_W_O2)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_37", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_37), (1, "W_V' N_1' @t_111' t_37", tr(s.W_V), tr(s.N_1), tr(t_111), s.t_37), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_37", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_37), (1, "W_V' N_1' @t_115' t_37", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_37), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
         out_W_1 = (s.mm("@t_119' t_17", tr(t_119), s.t_17, mean=True) + s.mm("N_2' @t_124", tr(s.N_2), t_124, mean=True))
         out_W_3 = (s.mm("@t_119' t_18", tr(t_119), s.t_18, mean=True) + s.mm("N_2' @t_125", tr(s.N_2), t_125, mean=True))
         out_W_2 = s.mm('_ G', lin((1, tr(s.t_88), tr(t_120)), (1, s.t_142, tr(t_123))), s.G, mean=True)
@@ -1725,27 +1795,27 @@ class mse_causal0(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_143 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_144 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_145 = lin((1, s.prod("t_35' @t_143", tr(s.t_35), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
+        t_145 = lin((1, s.prod("t_33' @t_143", tr(s.t_33), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
         t_146 = (1/math.sqrt(s.d_K)) * t_145
         t_158 = softmax_diff2(s.A1, t_146, s.t_157)
         t_159 = softmax_diff(s.A1, t_146)
         t_160 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_161 = lin((1, s.prod("@t_160 t_5'", t_160, tr(s.t_5))), (1, s.prod("t_36' @t_143", tr(s.t_36), t_143)))
+        t_161 = lin((1, s.prod("@t_160 t_5'", t_160, tr(s.t_5))), (1, s.prod("t_34' @t_143", tr(s.t_34), t_143)))
         t_162 = (1/math.sqrt(s.d_K)) * t_161
         t_163 = softmax_diff(s.A2, t_162)
         t_164 = lin((1, s.mm_sum('r', (1, '@t_159 N_1 W_V W_O1', t_159, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_163 N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
-        t_166 = (t_165 * s.t_48)
+        t_166 = (t_165 * s.t_46)
         t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
         t_168 = lin((1, s.prod('@t_167 W_1', t_167, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_169 = lin((1, s.prod('@t_167 W_3', t_167, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_170 = lin((1, s.t_88, t_168), (1, s.t_30, t_169))
+        t_170 = lin((1, s.t_88, t_168), (1, s.t_29, t_169))
         t_171 = lin((1, t_164), (1, s.prod('@t_170 W_2', t_170, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
         t_173 = lin((2/(s.L*s.d_V), s.prod("@t_171 W_2'", t_171, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
         t_175 = lin((1, s.t_172, t_168), (1, s.t_88, t_173), (1, s.t_174, t_169))
-        t_176 = lin((1, s.t_174, t_168), (1, s.t_30, t_173))
+        t_176 = lin((1, s.t_174, t_168), (1, s.t_29, t_173))
         t_177 = lin((1, s.prod("@t_175 W_1'", t_175, tr(s.W_1))), (1, s.prod("@t_176 W_3'", t_176, tr(s.W_3))), (1, s.prod("t_149 @V_W_1'", s.t_149, tr(V_W_1))), (1, s.prod("t_151 @V_W_3'", s.t_151, tr(V_W_3))))
-        t_181 = lin((1, s.t_179, t_164), (2/s.d_V, s.t_48, t_177), (2/s.d_V, t_165, s.t_180))
+        t_181 = lin((1, s.t_179, t_164), (2/s.d_V, s.t_46, t_177), (2/s.d_V, t_165, s.t_180))
         t_182 = lin((2/(s.L*s.d_V), t_171), (1, t_177, s.R_N_2), (2/s.d_V, t_165, s.t_178), (1, s.t_155, t_164), (1, s.mm('@t_181 one', t_181, s.one), s.Y_2))
         t_183 = s.mm_sum('r', (1, "@t_182 W_O1' W_V' N_1'", t_182, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_156 @V_W_O1' W_V' N_1'", s.t_156, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_156 W_O1' @V_W_V' N_1'", s.t_156, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_184 = softmax_diff(s.A1, t_183)
@@ -1758,7 +1828,7 @@ class mse_causal0(Forward):
         t_192 = (t_189 + t_191)
         t_194 = lin((1, s.prod("@t_192 t_2'", t_192, tr(s.t_2))), (1, s.prod("t_193 @t_143'", s.t_193, tr(t_143))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_194 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_194 * s.S), tr(s.R)), mean=True)
-        t_195 = lin((1, s.prod("@t_185' t_35'", tr(t_185), tr(s.t_35))), (1, s.prod("@t_192' t_36'", tr(t_192), tr(s.t_36))), (1, s.prod("t_186' @t_144", tr(s.t_186), t_144)), (1, s.prod("t_193' @t_160", tr(s.t_193), t_160)))
+        t_195 = lin((1, s.prod("@t_185' t_33'", tr(t_185), tr(s.t_33))), (1, s.prod("@t_192' t_34'", tr(t_192), tr(s.t_34))), (1, s.prod("t_186' @t_144", tr(s.t_186), t_144)), (1, s.prod("t_193' @t_160", tr(s.t_193), t_160)))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A2' t_156 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_156, tr(V_W_O2)), (1, "N_1' A2' @t_182 W_O2'", tr(s.N_1), tr(s.A2), t_182, tr(s.W_O2)), (1, "N_1' A1' t_156 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_156, tr(V_W_O1)), (1, "N_1' @t_159' t_156 W_O1'", tr(s.N_1), tr(t_159), s.t_156, tr(s.W_O1)), (1, "N_1' @t_163' t_156 W_O2'", tr(s.N_1), tr(t_163), s.t_156, tr(s.W_O2)), (1, "N_1' A1' @t_182 W_O1'", tr(s.N_1), tr(s.A1), t_182, tr(s.W_O1)), mean=True)
         out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_156", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_156), (1, "W_V' N_1' @t_159' t_156", tr(s.W_V), tr(s.N_1), tr(t_159), s.t_156), mean=True)), (1, s.mm("W_V' N_1' A1' @t_182", tr(s.W_V), tr(s.N_1), tr(s.A1), t_182, mean=True)))
@@ -1778,11 +1848,11 @@ class mse_causal1(Forward):
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_156'": 2,
-        "@V_W_O1 t_39'": 2,
+        "@V_W_O1 t_37'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
         "@V_W_O2 t_156'": 2,
-        "@V_W_O2 t_39'": 2,
+        "@V_W_O2 t_37'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
         "@V_W_Q1' N_1'": 2,
@@ -1794,10 +1864,10 @@ class mse_causal1(Forward):
         "@V_W_V' N_1' A2'": 2,
         '@t_111 N_1': 3,
         '@t_111 N_1 W_V': 2,
-        "@t_111' t_39": 2,
+        "@t_111' t_37": 2,
         '@t_115 N_1': 3,
         '@t_115 N_1 W_V': 2,
-        "@t_115' t_39": 2,
+        "@t_115' t_37": 2,
         "@t_128 W_O1'": 2,
         "@t_128 W_O2'": 2,
         "@t_128' A1": 2,
@@ -1825,11 +1895,11 @@ class mse_causal1(Forward):
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
         "A1' t_156": 2,
-        "A1' t_39": 5,
+        "A1' t_37": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
         "A2' t_156": 2,
-        "A2' t_39": 5,
+        "A2' t_37": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
         'N_1 @V_W_V W_O2': 2,
@@ -1839,21 +1909,21 @@ class mse_causal1(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_111' t_39": 2,
-        "N_1' @t_115' t_39": 2,
+        "N_1' @t_111' t_37": 2,
+        "N_1' @t_115' t_37": 2,
         "N_1' @t_159' t_156": 2,
         "N_1' @t_163' t_156": 2,
         "N_1' A1' t_156": 2,
-        "N_1' A1' t_39": 4,
+        "N_1' A1' t_37": 4,
         "N_1' A2' t_156": 2,
-        "N_1' A2' t_39": 4,
+        "N_1' A2' t_37": 4,
         "W_O1 t_156'": 3,
         "W_O1 t_23'": 2,
-        "W_O1 t_39'": 5,
+        "W_O1 t_37'": 5,
         "W_O1' W_V'": 13,
         "W_O2 t_156'": 3,
         "W_O2 t_23'": 2,
-        "W_O2 t_39'": 5,
+        "W_O2 t_37'": 5,
         "W_O2' W_V'": 13,
     }
 
@@ -2011,175 +2081,175 @@ class mse_causal1(Forward):
 
     @leaf
     def t_25(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
-
-    @leaf
-    def t_26(s):
         return s.mm("t_23 W_O1'", s.t_23, tr(s.W_O1))
 
     @leaf
-    def t_27(s):
+    def t_26(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_28(s):
+    def t_27(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return (s.t_12 * s.t_11)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return tr(s.t_6)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return softmax_diff(s.A2, s.mm("t_23 W_O2' W_V' N_1'", s.t_23, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_33(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
-
-    @leaf
-    def t_34(s):
+    def t_32(s):
         return s.mm("t_23 W_O2'", s.t_23, tr(s.W_O2))
 
     @leaf
-    def t_35(s):
+    def t_33(s):
         return tr(s.t_7)
 
     @leaf
-    def t_36(s):
+    def t_34(s):
         return tr(s.t_8)
 
     @leaf
-    def t_37(s):
+    def t_35(s):
         return mul((2/s.d_V) * s.t_19, s.t_20, s.Y_2)
 
     @leaf
+    def t_36(s):
+        return s.mm('t_35 one', s.t_35, s.one)
+
+    @leaf
+    def t_37(s):
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_36, s.Y_2), (1, s.G))
+
+    @leaf
     def t_38(s):
-        return s.mm('t_37 one', s.t_37, s.one)
+        return s.mm("t_37 W_O1'", s.t_37, tr(s.W_O1))
 
     @leaf
     def t_39(s):
-        return lin((1, s.t_19, s.R_N_2), (1, s.t_38, s.Y_2), (1, s.G))
+        return s.mm("t_37 W_O2'", s.t_37, tr(s.W_O2))
 
     @leaf
     def t_40(s):
-        return s.mm("t_39 W_O1'", s.t_39, tr(s.W_O1))
+        return s.mm("A1' t_37", tr(s.A1), s.t_37)
 
     @leaf
     def t_41(s):
-        return s.mm("t_39 W_O2'", s.t_39, tr(s.W_O2))
+        return s.mm("A2' t_37", tr(s.A2), s.t_37)
 
     @leaf
     def t_42(s):
-        return s.mm("A1' t_39", tr(s.A1), s.t_39)
+        return tr(s.t_26)
 
     @leaf
     def t_43(s):
-        return s.mm("A2' t_39", tr(s.A2), s.t_39)
+        return tr(s.t_28)
 
     @leaf
     def t_44(s):
-        return tr(s.t_27)
-
-    @leaf
-    def t_45(s):
-        return tr(s.t_29)
-
-    @leaf
-    def t_46(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
-    def t_47(s):
+    def t_45(s):
         return s.mm("t_15' t_15", tr(s.t_15), s.t_15)
 
     @leaf
-    def t_48(s):
+    def t_46(s):
         return (s.t_20 * s.Y_2)
 
     @leaf
-    def t_49(s):
+    def t_47(s):
         return mul(s.t_13, s.t_11, s.t_14)
 
     @leaf
-    def t_50(s):
+    def t_48(s):
         return (s.t_12 * s.t_14)
 
     @leaf
-    def t_51(s):
+    def t_49(s):
         return mul(((2.0 * s.t_12) - 1.0), (s.t_12 - 1.0), s.t_12)
 
     @leaf
-    def t_52(s):
-        return mul(s.t_51, s.t_16, s.t_11, s.t_14)
+    def t_50(s):
+        return mul(s.t_49, s.t_16, s.t_11, s.t_14)
 
     @leaf
-    def t_53(s):
+    def t_51(s):
         return mul(s.t_13, s.t_16, s.t_14)
 
     @leaf
-    def t_54(s):
+    def t_52(s):
         return mul(s.t_13, s.t_16, s.t_11)
 
     @leaf
-    def t_55(s):
+    def t_53(s):
         return (s.t_12 * s.t_16)
 
     @leaf
-    def t_56(s):
+    def t_54(s):
         return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19 * s.t_20)
 
     @leaf
-    def t_57(s):
+    def t_55(s):
         return (0.75 * (s.t_10 ** -2.5))
 
     @leaf
-    def t_58(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19, s.t_57, s.Y_2)
+    def t_56(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19, s.t_55, s.Y_2)
 
     @leaf
-    def t_59(s):
+    def t_57(s):
         return bcast_last(s.t_22, s.d_V)
 
     @leaf
-    def t_60(s):
+    def t_58(s):
         return ((1/math.sqrt(s.d_K)) * s.t_19 * s.t_20)
 
     @leaf
+    def t_59(s):
+        return (1/math.sqrt(s.d_K)) * s.t_37
+
+    @leaf
+    def t_60(s):
+        return softmax_diff(s.A1, s.mm("t_59 W_O1' W_V' N_1'", s.t_59, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_61(s):
-        return (1/math.sqrt(s.d_K)) * s.t_39
-
-    @leaf
-    def t_62(s):
-        return softmax_diff(s.A1, s.mm("t_61 W_O1' W_V' N_1'", s.t_61, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_63(s):
         return ((2/s.d_V) * s.t_19 * s.t_20)
 
     @leaf
+    def t_62(s):
+        return mul((2/s.d_V) * s.t_19, s.t_55, s.Y_2)
+
+    @leaf
+    def t_63(s):
+        return bcast_last(s.t_36, s.d_V)
+
+    @leaf
     def t_64(s):
-        return mul((2/s.d_V) * s.t_19, s.t_57, s.Y_2)
-
-    @leaf
-    def t_65(s):
-        return bcast_last(s.t_38, s.d_V)
-
-    @leaf
-    def t_66(s):
         return (s.t_19 * s.t_20)
 
     @leaf
+    def t_65(s):
+        return softmax_diff(s.A2, s.mm("t_59 W_O2' W_V' N_1'", s.t_59, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_66(s):
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+
+    @leaf
     def t_67(s):
-        return softmax_diff(s.A2, s.mm("t_61 W_O2' W_V' N_1'", s.t_61, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
     def one_2(s):
@@ -2211,7 +2281,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_74(s):
-        return s.mm("t_32 t_2'", s.t_32, tr(s.t_2))
+        return s.mm("t_31 t_2'", s.t_31, tr(s.t_2))
 
     @leaf
     def t_75(s):
@@ -2223,11 +2293,11 @@ class mse_causal1(Forward):
 
     @leaf
     def t_77(s):
-        return s.mm("t_62' t_35'", tr(s.t_62), tr(s.t_35))
+        return s.mm("t_60' t_33'", tr(s.t_60), tr(s.t_33))
 
     @leaf
     def t_78(s):
-        return s.mm("t_67' t_36'", tr(s.t_67), tr(s.t_36))
+        return s.mm("t_65' t_34'", tr(s.t_65), tr(s.t_34))
 
     @leaf
     def t_79(s):
@@ -2243,19 +2313,19 @@ class mse_causal1(Forward):
 
     @leaf
     def t_88(s):
-        return (s.t_49 + s.t_50)
+        return (s.t_47 + s.t_48)
 
     @leaf
     def t_108(s):
-        return s.mm("t_39 W_O1' W_V' N_1'", s.t_39, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return s.mm("t_37 W_O1' W_V' N_1'", s.t_37, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_110(s):
-        return lin((1, s.t_52), (2, s.t_53))
+        return lin((1, s.t_50), (2, s.t_51))
 
     @leaf
     def t_122(s):
-        return (s.t_54 + s.t_55)
+        return (s.t_52 + s.t_53)
 
     @leaf
     def t_132(s):
@@ -2263,7 +2333,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_134(s):
-        return s.mm("t_39 W_O2' W_V' N_1'", s.t_39, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return s.mm("t_37 W_O2' W_V' N_1'", s.t_37, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_139(s):
@@ -2319,7 +2389,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_172(s):
-        return lin((1, mul(s.t_51, s.t_148, s.t_11), s.t_14), (2, (s.t_13 * s.t_148), s.t_14))
+        return lin((1, mul(s.t_49, s.t_148, s.t_11), s.t_14), (2, (s.t_13 * s.t_148), s.t_14))
 
     @leaf
     def t_173(s):
@@ -2335,7 +2405,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_180(s):
-        return mul((2/s.d_V) * s.t_153, s.t_57, s.Y_2)
+        return mul((2/s.d_V) * s.t_153, s.t_55, s.Y_2)
 
     @leaf
     def t_186(s):
@@ -2370,15 +2440,15 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_46),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_49),
-            net(1, 'nab->nab', s.t_50),
+            net(1, 'nab->nab', s.t_47),
+            net(1, 'nab->nab', s.t_48),
         ])
 
     @leaf
@@ -2386,7 +2456,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_30),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_29),
         ])
 
     @leaf
@@ -2394,7 +2464,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_30, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_29, s.W_3),
         ])
 
     @leaf
@@ -2402,7 +2472,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_48, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_46, ONES, s.Y_2),
         ])
 
     @leaf
@@ -2442,16 +2512,16 @@ class mse_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_52),
-            net(2, 'nab->nab', s.t_53),
+            net(1, 'nab->nab', s.t_50),
+            net(2, 'nab->nab', s.t_51),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_54),
-            net(1, 'nab->nab', s.t_55),
+            net(1, 'nab->nab', s.t_52),
+            net(1, 'nab->nab', s.t_53),
         ])
 
     @leaf
@@ -2474,17 +2544,17 @@ class mse_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_56, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_58, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_54, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_56, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_46, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_60, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_58, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -2558,16 +2628,16 @@ class mse_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_32, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_32),
+            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_31, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_31),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_31, s.S_17, s.t_6, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_30, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -2575,26 +2645,26 @@ class mse_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_62, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_62),
+            net(1, 'nab,bc->nabc', s.t_60, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_60, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_60),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_61, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_62, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_46, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
@@ -2603,9 +2673,9 @@ class mse_causal1(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_67, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_67, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_67),
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_65, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_65),
         ])
 
     @leaf
@@ -2613,7 +2683,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_46),
         ])
 
     @leaf
@@ -2637,8 +2707,8 @@ class mse_causal1(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_49),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_50),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_47),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_48),
         ])
 
     @leaf
@@ -2647,6 +2717,76 @@ class mse_causal1(Forward):
         return Compact('S_31', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
             net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
+        ])
+
+    @leaf
+    def S_32(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_32', [
+            net(1, 'nabc,nacd,de->nabe', s.S_3, s.S_5, s.W_2),
+        ])
+
+    @leaf
+    def S_33(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_33', [
+            net(1, 'nabc,nadb,de->nace', s.S_7, s.S_6, s.W_2),
+        ])
+
+    @leaf
+    def S_34(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_34', [
+            net(1, 'abc,deb->ecad', s.S_10, s.S_20),
+        ])
+
+    @leaf
+    def S_35(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_35', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_66),
+        ])
+
+    @leaf
+    def S_36(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_36', [
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_23),
+        ])
+
+    @leaf
+    def S_37(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_37', [
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_5),
+        ])
+
+    @leaf
+    def S_38(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_38', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_67),
+        ])
+
+    @leaf
+    def S_39(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_39', [
+            net(1, 'nabc,db->nacd', s.S_26, s.t_66),
+        ])
+
+    @leaf
+    def S_40(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_40', [
+            net(1, 'nabc,db->nacd', s.S_26, s.t_67),
+        ])
+
+    @leaf
+    def S_41(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_41', [
+            net(1, 'nabc,nadb->nacd', s.S_7, s.S_6),
         ])
 
     def block__W_Q1__W_Q1__outer(s):
@@ -2676,14 +2816,14 @@ class mse_causal1(Forward):
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_32),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_33),
         ]
 
     def block__W_Q1__W_K__functional(s):
@@ -2692,7 +2832,7 @@ class mse_causal1(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_24, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_24, s.N_1, s.S_34),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -2700,45 +2840,45 @@ class mse_causal1(Forward):
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_32),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_33),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_25),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_26),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_28, s.t_23),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_28, s.W_O1, s.S_17, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_27, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_27, s.W_O1, s.S_17, s.t_26),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_28),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_28),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -2751,13 +2891,13 @@ class mse_causal1(Forward):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.N_2, s.S_36),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -2776,13 +2916,13 @@ class mse_causal1(Forward):
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.G, s.S_37),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -2794,247 +2934,247 @@ class mse_causal1(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_33),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_32, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_31, s.N_1, s.S_34),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_33),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_33, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_33, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_32),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_26),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.S_17, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_26),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_28),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_28, s.t_23),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_28, s.W_O2, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_27, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_27, s.W_O2, s.S_17, s.t_28),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.N_2, s.S_36),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_22, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_31, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_30, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_31, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.G, s.S_37),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_33),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_35, s.d2A_3, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_36, s.d2A_4, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_33, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_34, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_33),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_25, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_25, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_35, s.dA, s.N_1, s.t_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_33, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_33, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA_2, s.N_1, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.t_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.t_39),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_9, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_9, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_9, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_9, s.t_26),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_35, s.dA, s.t_28, s.t_39),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_28, s.W_O1, s.S_26, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_33, s.dA, s.t_27, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_33, s.dA, s.t_27, s.W_O1, s.S_26, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_26, s.t_26),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_9, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_9, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_9, s.t_28),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_28, s.t_39),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_28, s.W_O2, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_26, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_27, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_27, s.W_O2, s.S_26, s.t_28),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.N_2, s.S_36),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.W_2, s.t_30, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_22, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_22, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_35, s.dA, s.t_3, s.S_22, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_36, s.dA_2, s.t_31, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_33, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_34, s.dA_2, s.t_30, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_35, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_36, s.dA_2, s.t_31, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.G, s.S_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.G, s.S_37),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -3042,20 +3182,20 @@ class mse_causal1(Forward):
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_32),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_33),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_32),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_33),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -3070,31 +3210,31 @@ class mse_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_27),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_27),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_26),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_26),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_42, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_27),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_40, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_26),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_26),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_28),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_28),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_43, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_41, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_28),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_28),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -3108,16 +3248,16 @@ class mse_causal1(Forward):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_36),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_36),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_30, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_30, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_29, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -3139,126 +3279,126 @@ class mse_causal1(Forward):
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A1, s.W_O1, s.G, s.S_37),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A2, s.W_O2, s.G, s.S_37),
         ]
 
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_28, s.t_27),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_28, s.t_26),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_26, s.t_27),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_26, s.t_26),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_28, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_28, s.t_28),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_26, s.t_28),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_44, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_44, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_44, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_42, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_42, s.N_2, s.S_36),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_44, s.S_29, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_29, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_44, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_44, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_42, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_42, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_44, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_29, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_44, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_42, s.G, s.S_37),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_28, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_28, s.t_28),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_26, s.t_28),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_45, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_45, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_43, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_43, s.N_2, s.S_36),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_45, s.S_29, s.W_2, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_29, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_43, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_43, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_29, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_45, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_43, s.G, s.S_37),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_46, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_44, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -3270,7 +3410,7 @@ class mse_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_46, s.t_30, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_44, s.t_29, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -3294,25 +3434,25 @@ class mse_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_30, s.t_46, s.t_30, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_29, s.t_44, s.t_29, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_30, s.t_15, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_29, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_30, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_29, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_47, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_45, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q1(s):
@@ -3332,8 +3472,8 @@ class mse_causal1(Forward):
         return [
             net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1, s.S_41),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1, s.S_41),
         ]
 
     def jacobian__W_V(s):
@@ -3341,20 +3481,20 @@ class mse_causal1(Forward):
         return [
             net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
             net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A1, s.W_O1, s.N_1, s.S_41),
+            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A2, s.W_O2, s.N_1, s.S_41),
         ]
 
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_27),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_26),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_28),
         ]
 
     def jacobian__W_1(s):
@@ -3366,7 +3506,7 @@ class mse_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_30, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_29, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -3384,9 +3524,9 @@ class mse_causal1(Forward):
         out_W_Q1 = s.mm_sum('l', (1, "N_1' t_72", tr(s.N_1), s.t_72), (1, "N_1' t_73 R'", tr(s.N_1), s.t_73, tr(s.R)), mean=True)
         out_W_Q2 = s.mm_sum('l', (1, "N_1' t_75 R'", tr(s.N_1), s.t_75, tr(s.R)), (1, "N_1' t_76", tr(s.N_1), s.t_76), mean=True)
         out_W_K = s.mm_sum('l', (1, "N_1' t_80 R'", tr(s.N_1), s.t_80, tr(s.R)), (1, "N_1' t_81", tr(s.N_1), s.t_81), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_39 W_O2'", tr(s.N_1), tr(s.A2), s.t_39, tr(s.W_O2)), (1, "N_1' A1' t_39 W_O1'", tr(s.N_1), tr(s.A1), s.t_39, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_39", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_39, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_39", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_39, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_37 W_O2'", tr(s.N_1), tr(s.A2), s.t_37, tr(s.W_O2)), (1, "N_1' A1' t_37 W_O1'", tr(s.N_1), tr(s.A1), s.t_37, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_37", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_37, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_37", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_37, mean=True)
         out_W_1 = s.mm("N_2' t_17", tr(s.N_2), s.t_17, mean=True)
         out_W_3 = s.mm("N_2' t_18", tr(s.N_2), s.t_18, mean=True)
         out_W_2 = s.mm("t_15' G", tr(s.t_15), s.G, mean=True)
@@ -3396,26 +3536,26 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_82 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_83 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_84 = lin((1/math.sqrt(s.d_K), s.prod("t_35' @t_82", tr(s.t_35), t_82)), (1/math.sqrt(s.d_K), s.prod("@t_83 t_5'", t_83, tr(s.t_5))))
+        t_84 = lin((1/math.sqrt(s.d_K), s.prod("t_33' @t_82", tr(s.t_33), t_82)), (1/math.sqrt(s.d_K), s.prod("@t_83 t_5'", t_83, tr(s.t_5))))
         t_85 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_86 = lin((1/math.sqrt(s.d_K), s.prod("@t_85 t_5'", t_85, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_36' @t_82", tr(s.t_36), t_82)))
+        t_86 = lin((1/math.sqrt(s.d_K), s.prod("@t_85 t_5'", t_85, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_34' @t_82", tr(s.t_34), t_82)))
         t_87 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_84), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_86), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_89 = lin((1, t_87, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_87 * s.Y_2), s.one), s.t_48))
+        t_89 = lin((1, t_87, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_87 * s.Y_2), s.one), s.t_46))
         t_90 = lin((1, s.prod('@t_89 W_1', t_89, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_91 = lin((1, s.prod('@t_89 W_3', t_89, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_92 = lin((1, t_87), (1, s.prod('_ W_2', lin((1, s.t_88, t_90), (1, s.t_30, t_91)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_92 = lin((1, t_87), (1, s.prod('_ W_2', lin((1, s.t_88, t_90), (1, s.t_29, t_91)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
         t_93 = (2/(s.L*s.d_V)) * s.mm("@t_92 W_2'", t_92, tr(s.W_2))
         t_94 = (s.t_88 * t_93)
-        t_95 = (s.t_30 * t_93)
+        t_95 = (s.t_29 * t_93)
         t_96 = lin((1, s.prod("@t_94 W_1'", t_94, tr(s.W_1))), (1, s.prod("@t_95 W_3'", t_95, tr(s.W_3))))
-        t_97 = lin((2/(s.L*s.d_V), t_92), (1, t_96, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_48 * t_96), s.one), s.Y_2))
+        t_97 = lin((2/(s.L*s.d_V), t_92), (1, t_96, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_46 * t_96), s.one), s.Y_2))
         t_98 = softmax_diff(s.A1, s.mm("@t_97 W_O1' W_V' N_1'", t_97, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_99 = s.mm("@t_98 t_2'", t_98, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_99 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_99 * s.C)), mean=True)
         t_100 = softmax_diff(s.A2, s.mm("@t_97 W_O2' W_V' N_1'", t_97, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
         t_101 = s.mm("@t_100 t_2'", t_100, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_101 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_101 * s.S), tr(s.R)), mean=True)
-        t_102 = lin((1, s.prod("@t_98' t_35'", tr(t_98), tr(s.t_35))), (1, s.prod("@t_100' t_36'", tr(t_100), tr(s.t_36))))
+        t_102 = lin((1, s.prod("@t_98' t_33'", tr(t_98), tr(s.t_33))), (1, s.prod("@t_100' t_34'", tr(t_100), tr(s.t_34))))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_97 W_O2'", tr(s.N_1), tr(s.A2), t_97, tr(s.W_O2)), (1, "N_1' A1' @t_97 W_O1'", tr(s.N_1), tr(s.A1), t_97, tr(s.W_O1)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' @t_97", tr(s.W_V), tr(s.N_1), tr(s.A1), t_97, mean=True)
@@ -3430,42 +3570,42 @@ class mse_causal1(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_104 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_105 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_106 = lin((1, s.prod("t_35' @t_104", tr(s.t_35), t_104)), (1, s.prod("@t_105 t_5'", t_105, tr(s.t_5))))
+        t_106 = lin((1, s.prod("t_33' @t_104", tr(s.t_33), t_104)), (1, s.prod("@t_105 t_5'", t_105, tr(s.t_5))))
         t_107 = (1/math.sqrt(s.d_K)) * t_106
         t_109 = softmax_diff2(s.A1, t_107, s.t_108)
         t_111 = softmax_diff(s.A1, t_107)
         t_112 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_113 = lin((1, s.prod("@t_112 t_5'", t_112, tr(s.t_5))), (1, s.prod("t_36' @t_104", tr(s.t_36), t_104)))
+        t_113 = lin((1, s.prod("@t_112 t_5'", t_112, tr(s.t_5))), (1, s.prod("t_34' @t_104", tr(s.t_34), t_104)))
         t_114 = (1/math.sqrt(s.d_K)) * t_113
         t_115 = softmax_diff(s.A2, t_114)
         t_116 = lin((1, s.mm_sum('r', (1, '@t_111 N_1 W_V W_O1', t_111, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_115 N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
-        t_118 = (t_117 * s.t_48)
+        t_118 = (t_117 * s.t_46)
         t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
         t_120 = lin((1, s.prod('@t_119 W_1', t_119, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_121 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
         t_123 = lin((1, s.prod('@t_119 W_3', t_119, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_124 = lin((1, s.t_110, t_120), (1, s.t_88, t_121), (1, s.t_122, t_123))
-        t_125 = lin((1, s.t_122, t_120), (1, s.t_30, t_121))
+        t_125 = lin((1, s.t_122, t_120), (1, s.t_29, t_121))
         t_126 = lin((1, s.prod("@t_124 W_1'", t_124, tr(s.W_1))), (1, s.prod("@t_125 W_3'", t_125, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
-        t_127 = lin((1, s.t_63, t_116), (2/s.d_V, s.t_48, t_126), (2/s.d_V, t_117, s.t_64))
-        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_66), (1, s.t_38, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
-        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 @V_W_O1' W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' @V_W_V' N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_127 = lin((1, s.t_61, t_116), (2/s.d_V, s.t_46, t_126), (2/s.d_V, t_117, s.t_62))
+        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_64), (1, s.t_36, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
+        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_37 @V_W_O1' W_V' N_1'", s.t_37, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_37 W_O1' @V_W_V' N_1'", s.t_37, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_130 = softmax_diff(s.A1, t_129)
         t_131 = (t_109 + t_130)
         t_133 = lin((1, s.prod("@t_131 t_2'", t_131, tr(s.t_2))), (1, s.prod("t_132 @t_104'", s.t_132, tr(t_104))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), mean=True)
         t_135 = softmax_diff2(s.A2, t_114, s.t_134)
-        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 @V_W_O2' W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' @V_W_V' N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_37 @V_W_O2' W_V' N_1'", s.t_37, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_37 W_O2' @V_W_V' N_1'", s.t_37, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
         t_137 = softmax_diff(s.A2, t_136)
         t_138 = (t_135 + t_137)
         t_140 = lin((1, s.prod("@t_138 t_2'", t_138, tr(s.t_2))), (1, s.prod("t_139 @t_104'", s.t_139, tr(t_104))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), mean=True)
-        t_141 = lin((1, s.prod("@t_131' t_35'", tr(t_131), tr(s.t_35))), (1, s.prod("@t_138' t_36'", tr(t_138), tr(s.t_36))), (1, s.prod("t_132' @t_105", tr(s.t_132), t_105)), (1, s.prod("t_139' @t_112", tr(s.t_139), t_112)))
+        t_141 = lin((1, s.prod("@t_131' t_33'", tr(t_131), tr(s.t_33))), (1, s.prod("@t_138' t_34'", tr(t_138), tr(s.t_34))), (1, s.prod("t_132' @t_105", tr(s.t_132), t_105)), (1, s.prod("t_139' @t_112", tr(s.t_139), t_112)))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_141 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_39 W_O2'", tr(s.N_1), tr(t_115), s.t_39, tr(s.W_O2)), (1, "N_1' A1' t_39 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_39, tr(V_W_O1)), (1, "N_1' @t_111' t_39 W_O1'", tr(s.N_1), tr(t_111), s.t_39, tr(s.W_O1)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A2' t_39 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_39, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_39", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_39), (1, "W_V' N_1' @t_111' t_39", tr(s.W_V), tr(s.N_1), tr(t_111), s.t_39), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_39", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_39), (1, "W_V' N_1' @t_115' t_39", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_39), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_37 W_O2'", tr(s.N_1), tr(t_115), s.t_37, tr(s.W_O2)), (1, "N_1' A1' t_37 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_37, tr(V_W_O1)), (1, "N_1' @t_111' t_37 W_O1'", tr(s.N_1), tr(t_111), s.t_37, tr(s.W_O1)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A2' t_37 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_37, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_37", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_37), (1, "W_V' N_1' @t_111' t_37", tr(s.W_V), tr(s.N_1), tr(t_111), s.t_37), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_37", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_37), (1, "W_V' N_1' @t_115' t_37", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_37), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
         out_W_1 = (s.mm("@t_119' t_17", tr(t_119), s.t_17, mean=True) + s.mm("N_2' @t_124", tr(s.N_2), t_124, mean=True))
         out_W_3 = (s.mm("@t_119' t_18", tr(t_119), s.t_18, mean=True) + s.mm("N_2' @t_125", tr(s.N_2), t_125, mean=True))
         out_W_2 = s.mm('_ G', lin((1, tr(s.t_88), tr(t_120)), (1, s.t_142, tr(t_123))), s.G, mean=True)
@@ -3475,27 +3615,27 @@ class mse_causal1(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_143 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_144 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_145 = lin((1, s.prod("t_35' @t_143", tr(s.t_35), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
+        t_145 = lin((1, s.prod("t_33' @t_143", tr(s.t_33), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
         t_146 = (1/math.sqrt(s.d_K)) * t_145
         t_158 = softmax_diff2(s.A1, t_146, s.t_157)
         t_159 = softmax_diff(s.A1, t_146)
         t_160 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_161 = lin((1, s.prod("@t_160 t_5'", t_160, tr(s.t_5))), (1, s.prod("t_36' @t_143", tr(s.t_36), t_143)))
+        t_161 = lin((1, s.prod("@t_160 t_5'", t_160, tr(s.t_5))), (1, s.prod("t_34' @t_143", tr(s.t_34), t_143)))
         t_162 = (1/math.sqrt(s.d_K)) * t_161
         t_163 = softmax_diff(s.A2, t_162)
         t_164 = lin((1, s.mm_sum('r', (1, '@t_159 N_1 W_V W_O1', t_159, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_163 N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
-        t_166 = (t_165 * s.t_48)
+        t_166 = (t_165 * s.t_46)
         t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
         t_168 = lin((1, s.prod('@t_167 W_1', t_167, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_169 = lin((1, s.prod('@t_167 W_3', t_167, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_170 = lin((1, s.t_88, t_168), (1, s.t_30, t_169))
+        t_170 = lin((1, s.t_88, t_168), (1, s.t_29, t_169))
         t_171 = lin((1, t_164), (1, s.prod('@t_170 W_2', t_170, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
         t_174 = lin((2/(s.L*s.d_V), s.prod("@t_171 W_2'", t_171, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
         t_175 = lin((1, s.t_172, t_168), (1, s.t_173, t_169), (1, s.t_88, t_174))
-        t_176 = lin((1, s.t_173, t_168), (1, s.t_30, t_174))
+        t_176 = lin((1, s.t_173, t_168), (1, s.t_29, t_174))
         t_177 = lin((1, s.prod("@t_175 W_1'", t_175, tr(s.W_1))), (1, s.prod("@t_176 W_3'", t_176, tr(s.W_3))), (1, s.prod("t_149 @V_W_1'", s.t_149, tr(V_W_1))), (1, s.prod("t_151 @V_W_3'", s.t_151, tr(V_W_3))))
-        t_181 = lin((1, s.t_179, t_164), (2/s.d_V, s.t_48, t_177), (2/s.d_V, t_165, s.t_180))
+        t_181 = lin((1, s.t_179, t_164), (2/s.d_V, s.t_46, t_177), (2/s.d_V, t_165, s.t_180))
         t_182 = lin((2/(s.L*s.d_V), t_171), (1, t_177, s.R_N_2), (2/s.d_V, t_165, s.t_178), (1, s.t_155, t_164), (1, s.mm('@t_181 one', t_181, s.one), s.Y_2))
         t_183 = s.mm_sum('r', (1, "@t_182 W_O1' W_V' N_1'", t_182, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_156 @V_W_O1' W_V' N_1'", s.t_156, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_156 W_O1' @V_W_V' N_1'", s.t_156, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_184 = softmax_diff(s.A1, t_183)
@@ -3508,7 +3648,7 @@ class mse_causal1(Forward):
         t_192 = (t_189 + t_191)
         t_194 = lin((1, s.prod("@t_192 t_2'", t_192, tr(s.t_2))), (1, s.prod("t_193 @t_143'", s.t_193, tr(t_143))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_194 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_194 * s.S), tr(s.R)), mean=True)
-        t_195 = lin((1, s.prod("@t_185' t_35'", tr(t_185), tr(s.t_35))), (1, s.prod("@t_192' t_36'", tr(t_192), tr(s.t_36))), (1, s.prod("t_186' @t_144", tr(s.t_186), t_144)), (1, s.prod("t_193' @t_160", tr(s.t_193), t_160)))
+        t_195 = lin((1, s.prod("@t_185' t_33'", tr(t_185), tr(s.t_33))), (1, s.prod("@t_192' t_34'", tr(t_192), tr(s.t_34))), (1, s.prod("t_186' @t_144", tr(s.t_186), t_144)), (1, s.prod("t_193' @t_160", tr(s.t_193), t_160)))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' @t_159' t_156 W_O1'", tr(s.N_1), tr(t_159), s.t_156, tr(s.W_O1)), (1, "N_1' A1' t_156 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_156, tr(V_W_O1)), (1, "N_1' A2' @t_182 W_O2'", tr(s.N_1), tr(s.A2), t_182, tr(s.W_O2)), (1, "N_1' A2' t_156 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_156, tr(V_W_O2)), (1, "N_1' @t_163' t_156 W_O2'", tr(s.N_1), tr(t_163), s.t_156, tr(s.W_O2)), (1, "N_1' A1' @t_182 W_O1'", tr(s.N_1), tr(s.A1), t_182, tr(s.W_O1)), mean=True)
         out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_156", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_156), (1, "W_V' N_1' @t_159' t_156", tr(s.W_V), tr(s.N_1), tr(t_159), s.t_156), mean=True)), (1, s.mm("W_V' N_1' A1' @t_182", tr(s.W_V), tr(s.N_1), tr(s.A1), t_182, mean=True)))
@@ -3528,11 +3668,11 @@ class ce_causal0(Forward):
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_159'": 2,
-        "@V_W_O1 t_42'": 2,
+        "@V_W_O1 t_40'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
         "@V_W_O2 t_159'": 2,
-        "@V_W_O2 t_42'": 2,
+        "@V_W_O2 t_40'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
         "@V_W_Q1' N_1'": 2,
@@ -3550,10 +3690,10 @@ class ce_causal0(Forward):
         "@t_101' A2 N_1": 2,
         '@t_114 N_1': 3,
         '@t_114 N_1 W_V': 2,
-        "@t_114' t_42": 2,
+        "@t_114' t_40": 2,
         '@t_118 N_1': 3,
         '@t_118 N_1 W_V': 2,
-        "@t_118' t_42": 2,
+        "@t_118' t_40": 2,
         "@t_131 W_O1'": 2,
         "@t_131 W_O2'": 2,
         "@t_131' A1": 2,
@@ -3575,11 +3715,11 @@ class ce_causal0(Forward):
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
         "A1' t_159": 2,
-        "A1' t_42": 5,
+        "A1' t_40": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
         "A2' t_159": 2,
-        "A2' t_42": 5,
+        "A2' t_40": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
         'N_1 @V_W_V W_O2': 2,
@@ -3589,21 +3729,21 @@ class ce_causal0(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_114' t_42": 2,
-        "N_1' @t_118' t_42": 2,
+        "N_1' @t_114' t_40": 2,
+        "N_1' @t_118' t_40": 2,
         "N_1' @t_163' t_159": 2,
         "N_1' @t_167' t_159": 2,
         "N_1' A1' t_159": 2,
-        "N_1' A1' t_42": 4,
+        "N_1' A1' t_40": 4,
         "N_1' A2' t_159": 2,
-        "N_1' A2' t_42": 4,
+        "N_1' A2' t_40": 4,
         "W_O1 t_159'": 3,
         "W_O1 t_26'": 2,
-        "W_O1 t_42'": 5,
+        "W_O1 t_40'": 5,
         "W_O1' W_V'": 13,
         "W_O2 t_159'": 3,
         "W_O2 t_26'": 2,
-        "W_O2 t_42'": 5,
+        "W_O2 t_40'": 5,
         "W_O2' W_V'": 13,
     }
 
@@ -3773,175 +3913,175 @@ class ce_causal0(Forward):
 
     @leaf
     def t_28(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
-
-    @leaf
-    def t_29(s):
         return s.mm("t_26 W_O1'", s.t_26, tr(s.W_O1))
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (s.t_14 * s.t_13)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return tr(s.t_8)
 
     @leaf
-    def t_35(s):
+    def t_34(s):
         return softmax_diff(s.A2, s.mm("t_26 W_O2' W_V' N_1'", s.t_26, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_36(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
-
-    @leaf
-    def t_37(s):
+    def t_35(s):
         return s.mm("t_26 W_O2'", s.t_26, tr(s.W_O2))
 
     @leaf
-    def t_38(s):
+    def t_36(s):
         return tr(s.t_9)
 
     @leaf
-    def t_39(s):
+    def t_37(s):
         return tr(s.t_10)
 
     @leaf
-    def t_40(s):
+    def t_38(s):
         return mul((2/s.d_V) * s.t_22, s.t_23, s.Y_2)
 
     @leaf
+    def t_39(s):
+        return s.mm('t_38 one', s.t_38, s.one)
+
+    @leaf
+    def t_40(s):
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_39, s.Y_2), (1, s.G))
+
+    @leaf
     def t_41(s):
-        return s.mm('t_40 one', s.t_40, s.one)
+        return s.mm("t_40 W_O1'", s.t_40, tr(s.W_O1))
 
     @leaf
     def t_42(s):
-        return lin((1, s.t_22, s.R_N_2), (1, s.t_41, s.Y_2), (1, s.G))
+        return s.mm("t_40 W_O2'", s.t_40, tr(s.W_O2))
 
     @leaf
     def t_43(s):
-        return s.mm("t_42 W_O1'", s.t_42, tr(s.W_O1))
+        return s.mm("A1' t_40", tr(s.A1), s.t_40)
 
     @leaf
     def t_44(s):
-        return s.mm("t_42 W_O2'", s.t_42, tr(s.W_O2))
+        return s.mm("A2' t_40", tr(s.A2), s.t_40)
 
     @leaf
     def t_45(s):
-        return s.mm("A1' t_42", tr(s.A1), s.t_42)
+        return tr(s.t_29)
 
     @leaf
     def t_46(s):
-        return s.mm("A2' t_42", tr(s.A2), s.t_42)
+        return tr(s.t_31)
 
     @leaf
     def t_47(s):
-        return tr(s.t_30)
-
-    @leaf
-    def t_48(s):
-        return tr(s.t_32)
-
-    @leaf
-    def t_49(s):
         return tr(s.t_17)
 
     @leaf
-    def t_50(s):
+    def t_48(s):
         return (s.t_23 * s.Y_2)
 
     @leaf
-    def t_51(s):
+    def t_49(s):
         return mul(s.t_15, s.t_13, s.t_16)
 
     @leaf
-    def t_52(s):
+    def t_50(s):
         return (s.t_14 * s.t_16)
 
     @leaf
-    def t_53(s):
+    def t_51(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_54(s):
+    def t_52(s):
         return mul(((2.0 * s.t_14) - 1.0), (s.t_14 - 1.0), s.t_14)
 
     @leaf
-    def t_55(s):
-        return mul(s.t_54, s.t_19, s.t_13, s.t_16)
+    def t_53(s):
+        return mul(s.t_52, s.t_19, s.t_13, s.t_16)
 
     @leaf
-    def t_56(s):
+    def t_54(s):
         return mul(s.t_15, s.t_19, s.t_16)
 
     @leaf
-    def t_57(s):
+    def t_55(s):
         return mul(s.t_15, s.t_19, s.t_13)
 
     @leaf
-    def t_58(s):
+    def t_56(s):
         return (s.t_14 * s.t_19)
 
     @leaf
-    def t_59(s):
+    def t_57(s):
         return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22 * s.t_23)
 
     @leaf
-    def t_60(s):
+    def t_58(s):
         return (0.75 * (s.t_12 ** -2.5))
 
     @leaf
-    def t_61(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22, s.t_60, s.Y_2)
+    def t_59(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22, s.t_58, s.Y_2)
 
     @leaf
-    def t_62(s):
+    def t_60(s):
         return bcast_last(s.t_25, s.d_V)
 
     @leaf
-    def t_63(s):
+    def t_61(s):
         return ((1/math.sqrt(s.d_K)) * s.t_22 * s.t_23)
 
     @leaf
+    def t_62(s):
+        return (1/math.sqrt(s.d_K)) * s.t_40
+
+    @leaf
+    def t_63(s):
+        return softmax_diff(s.A1, s.mm("t_62 W_O1' W_V' N_1'", s.t_62, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_64(s):
-        return (1/math.sqrt(s.d_K)) * s.t_42
-
-    @leaf
-    def t_65(s):
-        return softmax_diff(s.A1, s.mm("t_64 W_O1' W_V' N_1'", s.t_64, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_66(s):
         return ((2/s.d_V) * s.t_22 * s.t_23)
 
     @leaf
+    def t_65(s):
+        return mul((2/s.d_V) * s.t_22, s.t_58, s.Y_2)
+
+    @leaf
+    def t_66(s):
+        return bcast_last(s.t_39, s.d_V)
+
+    @leaf
     def t_67(s):
-        return mul((2/s.d_V) * s.t_22, s.t_60, s.Y_2)
-
-    @leaf
-    def t_68(s):
-        return bcast_last(s.t_41, s.d_V)
-
-    @leaf
-    def t_69(s):
         return (s.t_22 * s.t_23)
 
     @leaf
+    def t_68(s):
+        return softmax_diff(s.A2, s.mm("t_62 W_O2' W_V' N_1'", s.t_62, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_69(s):
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+
+    @leaf
     def t_70(s):
-        return softmax_diff(s.A2, s.mm("t_64 W_O2' W_V' N_1'", s.t_64, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
     def one_2(s):
@@ -3973,7 +4113,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_77(s):
-        return s.mm("t_35 t_2'", s.t_35, tr(s.t_2))
+        return s.mm("t_34 t_2'", s.t_34, tr(s.t_2))
 
     @leaf
     def t_78(s):
@@ -3985,11 +4125,11 @@ class ce_causal0(Forward):
 
     @leaf
     def t_80(s):
-        return s.mm("t_65' t_38'", tr(s.t_65), tr(s.t_38))
+        return s.mm("t_63' t_36'", tr(s.t_63), tr(s.t_36))
 
     @leaf
     def t_81(s):
-        return s.mm("t_70' t_39'", tr(s.t_70), tr(s.t_39))
+        return s.mm("t_68' t_37'", tr(s.t_68), tr(s.t_37))
 
     @leaf
     def t_82(s):
@@ -4005,19 +4145,19 @@ class ce_causal0(Forward):
 
     @leaf
     def t_85(s):
-        return (s.t_51 + s.t_52)
+        return (s.t_49 + s.t_50)
 
     @leaf
     def t_111(s):
-        return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return s.mm("t_40 W_O1' W_V' N_1'", s.t_40, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_113(s):
-        return lin((1, s.t_55), (2, s.t_56))
+        return lin((1, s.t_53), (2, s.t_54))
 
     @leaf
     def t_124(s):
-        return (s.t_57 + s.t_58)
+        return (s.t_55 + s.t_56)
 
     @leaf
     def t_135(s):
@@ -4025,7 +4165,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_137(s):
-        return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return s.mm("t_40 W_O2' W_V' N_1'", s.t_40, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_142(s):
@@ -4081,7 +4221,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_162(s):
-        return lin((1, mul(s.t_54, s.t_151, s.t_13), s.t_16), (2, (s.t_15 * s.t_151), s.t_16))
+        return lin((1, mul(s.t_52, s.t_151, s.t_13), s.t_16), (2, (s.t_15 * s.t_151), s.t_16))
 
     @leaf
     def t_178(s):
@@ -4097,7 +4237,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_184(s):
-        return mul((2/s.d_V) * s.t_156, s.t_60, s.Y_2)
+        return mul((2/s.d_V) * s.t_156, s.t_58, s.Y_2)
 
     @leaf
     def t_190(s):
@@ -4132,15 +4272,15 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_50),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_51),
-            net(1, 'nab->nab', s.t_52),
+            net(1, 'nab->nab', s.t_49),
+            net(1, 'nab->nab', s.t_50),
         ])
 
     @leaf
@@ -4148,7 +4288,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_33),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
         ])
 
     @leaf
@@ -4163,8 +4303,8 @@ class ce_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_53, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_53, s.t_53),
+            net(1, 'nab,bc->nabc', s.t_51, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_51, s.t_51),
         ])
 
     @leaf
@@ -4172,7 +4312,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_33, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
         ])
 
     @leaf
@@ -4180,7 +4320,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_50, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_48, ONES, s.Y_2),
         ])
 
     @leaf
@@ -4211,16 +4351,16 @@ class ce_causal0(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_55),
-            net(2, 'nab->nab', s.t_56),
+            net(1, 'nab->nab', s.t_53),
+            net(2, 'nab->nab', s.t_54),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_57),
-            net(1, 'nab->nab', s.t_58),
+            net(1, 'nab->nab', s.t_55),
+            net(1, 'nab->nab', s.t_56),
         ])
 
     @leaf
@@ -4243,17 +4383,17 @@ class ce_causal0(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_50, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_59, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_60, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -4319,16 +4459,16 @@ class ce_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_35, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_35),
+            net(1, 'nab,bc->nabc', s.t_34, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_34, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_34),
         ])
 
     @leaf
     def S_23(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_34, s.S_17, s.t_8, s.dA_3),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_33, s.S_17, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -4336,26 +4476,26 @@ class ce_causal0(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_65, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_65),
+            net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_63, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_63),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_50, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_69, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
         ])
@@ -4364,9 +4504,9 @@ class ce_causal0(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_70, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_70),
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_68, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_68),
         ])
 
     @leaf
@@ -4374,7 +4514,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_26', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_50),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
@@ -4389,8 +4529,8 @@ class ce_causal0(Forward):
     def S_28(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_28', [
-            net(1/s.L, 'nab->nab', s.t_51),
-            net(1/s.L, 'nab->nab', s.t_52),
+            net(1/s.L, 'nab->nab', s.t_49),
+            net(1/s.L, 'nab->nab', s.t_50),
         ])
 
     @leaf
@@ -4401,10 +4541,80 @@ class ce_causal0(Forward):
             net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
         ])
 
+    @leaf
+    def S_30(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_30', [
+            net(1, 'nabc,nadb->nacd', s.S_9, s.dA_2),
+        ])
+
+    @leaf
+    def S_31(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_31', [
+            net(1, 'nabc,nadb,naef,df->nace', s.S_8, s.S_7, s.dA_2, s.W_2),
+        ])
+
+    @leaf
+    def S_32(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_32', [
+            net(1, 'abc,deb->ecad', s.S_10, s.S_20),
+        ])
+
+    @leaf
+    def S_33(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_33', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_69),
+        ])
+
+    @leaf
+    def S_34(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_34', [
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_22),
+        ])
+
+    @leaf
+    def S_35(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_35', [
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_5),
+        ])
+
+    @leaf
+    def S_36(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_36', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_70),
+        ])
+
+    @leaf
+    def S_37(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_37', [
+            net(1, 'nabc,db->nacd', s.S_25, s.t_69),
+        ])
+
+    @leaf
+    def S_38(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_38', [
+            net(1, 'nabc,db->nacd', s.S_25, s.t_70),
+        ])
+
+    @leaf
+    def S_39(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_39', [
+            net(1, 'nabc,nadb->nacd', s.S_8, s.S_7),
+        ])
+
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_6, s.dA, s.t_7, s.S_10, s.N_1, s.S_30),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
@@ -4416,7 +4626,7 @@ class ce_causal0(Forward):
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1, s.S_30),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
@@ -4430,8 +4640,8 @@ class ce_causal0(Forward):
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_31),
         ]
 
     def block__W_Q1__W_K__functional(s):
@@ -4440,7 +4650,7 @@ class ce_causal0(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_27, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_27, s.N_1, s.S_32),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -4448,41 +4658,41 @@ class ce_causal0(Forward):
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.W_O1, s.S_17, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -4495,13 +4705,13 @@ class ce_causal0(Forward):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.N_2, s.S_34),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -4520,13 +4730,13 @@ class ce_causal0(Forward):
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.G, s.S_35),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1, s.S_30),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -4538,223 +4748,223 @@ class ce_causal0(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_31),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_35, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_34, s.N_1, s.S_32),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_36, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_36, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_35),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.S_17, s.t_29),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_31, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_31, s.W_O2, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_30, s.W_O2, s.S_17, s.t_31),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.N_2, s.S_34),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.G, s.S_35),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_31),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_3, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_4, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_36, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_37, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_28, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_28, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_36, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_36, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_36, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_36, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA, s.N_1, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_37, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_37, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA_3, s.N_1, s.t_42),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.t_29, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.t_31, s.t_42),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_31, s.W_O1, s.S_25, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA, s.t_30, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA, s.t_30, s.W_O1, s.S_25, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_25, s.t_29),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.t_31, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_31, s.t_42),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_31, s.W_O2, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_25, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_30, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_30, s.W_O2, s.S_25, s.t_31),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.N_2, s.S_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.N_2, s.S_34),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.G, s.S_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.G, s.S_35),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -4762,12 +4972,12 @@ class ce_causal0(Forward):
         return [
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -4782,31 +4992,31 @@ class ce_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.t_29, s.S_30),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_45, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_30),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_43, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_29),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.t_31, s.S_30),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_46, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_44, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_31),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -4820,16 +5030,16 @@ class ce_causal0(Forward):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_34),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_34),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -4851,120 +5061,120 @@ class ce_causal0(Forward):
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A1, s.W_O1, s.G, s.S_35),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A2, s.W_O2, s.G, s.S_35),
         ]
 
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_27, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_25, s.t_29),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_27, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_25, s.t_31),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_47, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_45, s.N_2, s.S_34),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_47, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_47, s.S_27, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_45, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_47, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_45, s.G, s.S_35),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_46, s.S_27, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_46, s.S_25, s.t_31),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_48, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_46, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_46, s.N_2, s.S_34),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_46, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_46, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_48, s.S_27, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_46, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_48, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_46, s.G, s.S_35),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -4982,7 +5192,7 @@ class ce_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -5006,25 +5216,25 @@ class ce_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_33, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_32, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_33, s.W_2, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_32, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_33, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_49, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_47, s.t_5, s.dA_2, s.t_17),
         ]
 
     def jacobian__W_Q1(s):
@@ -5044,8 +5254,8 @@ class ce_causal0(Forward):
         return [
             net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_39),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_39),
         ]
 
     def jacobian__W_V(s):
@@ -5053,20 +5263,20 @@ class ce_causal0(Forward):
         return [
             net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
             net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A1, s.W_O1, s.N_1, s.S_39),
+            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A2, s.W_O2, s.N_1, s.S_39),
         ]
 
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_30),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_29),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_31),
         ]
 
     def jacobian__W_1(s):
@@ -5078,7 +5288,7 @@ class ce_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_33, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -5096,9 +5306,9 @@ class ce_causal0(Forward):
         out_W_Q1 = s.mm_sum('l', (1, "N_1' t_75", tr(s.N_1), s.t_75), (1, "N_1' t_76 R'", tr(s.N_1), s.t_76, tr(s.R)), mean=True)
         out_W_Q2 = s.mm_sum('l', (1, "N_1' t_78", tr(s.N_1), s.t_78), (1, "N_1' t_79 R'", tr(s.N_1), s.t_79, tr(s.R)), mean=True)
         out_W_K = s.mm_sum('l', (1, "N_1' t_83 R'", tr(s.N_1), s.t_83, tr(s.R)), (1, "N_1' t_84", tr(s.N_1), s.t_84), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_42 W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_42", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_42, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_42", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_42, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_40 W_O1'", tr(s.N_1), tr(s.A1), s.t_40, tr(s.W_O1)), (1, "N_1' A2' t_40 W_O2'", tr(s.N_1), tr(s.A2), s.t_40, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_40", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_40, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_40", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_40, mean=True)
         out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
         out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
         out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
@@ -5108,27 +5318,27 @@ class ce_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_86 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_87 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_88 = lin((1/math.sqrt(s.d_K), s.prod("t_38' @t_86", tr(s.t_38), t_86)), (1/math.sqrt(s.d_K), s.prod("@t_87 t_7'", t_87, tr(s.t_7))))
+        t_88 = lin((1/math.sqrt(s.d_K), s.prod("t_36' @t_86", tr(s.t_36), t_86)), (1/math.sqrt(s.d_K), s.prod("@t_87 t_7'", t_87, tr(s.t_7))))
         t_89 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_90 = lin((1/math.sqrt(s.d_K), s.prod("@t_89 t_7'", t_89, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_39' @t_86", tr(s.t_39), t_86)))
+        t_90 = lin((1/math.sqrt(s.d_K), s.prod("@t_89 t_7'", t_89, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_37' @t_86", tr(s.t_37), t_86)))
         t_91 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_88), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_90), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_92 = lin((1, t_91, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_91 * s.Y_2), s.one), s.t_50))
+        t_92 = lin((1, t_91, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_91 * s.Y_2), s.one), s.t_48))
         t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_95 = lin((1, t_91), (1, s.prod('_ W_2', lin((1, s.t_85, t_93), (1, s.t_33, t_94)), s.W_2)), (1, s.prod("t_49' @V_W_2", tr(s.t_49), V_W_2)))
-        t_96 = (s.t_4 * softmax_diff(s.t_53, t_95))
+        t_95 = lin((1, t_91), (1, s.prod('_ W_2', lin((1, s.t_85, t_93), (1, s.t_32, t_94)), s.W_2)), (1, s.prod("t_47' @V_W_2", tr(s.t_47), V_W_2)))
+        t_96 = (s.t_4 * softmax_diff(s.t_51, t_95))
         t_97 = s.mm("@t_96 W_2'", t_96, tr(s.W_2))
         t_98 = ((1/s.L) * s.t_85 * t_97)
-        t_99 = (s.t_33 * t_97)
+        t_99 = (s.t_32 * t_97)
         t_100 = lin((1, s.prod("@t_98 W_1'", t_98, tr(s.W_1))), (1/s.L, s.prod("@t_99 W_3'", t_99, tr(s.W_3))))
-        t_101 = lin((1, t_100, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_50 * t_100), s.one), s.Y_2), (1/s.L, t_96))
+        t_101 = lin((1, t_100, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_48 * t_100), s.one), s.Y_2), (1/s.L, t_96))
         t_102 = softmax_diff(s.A1, s.mm("@t_101 W_O1' W_V' N_1'", t_101, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_103 = s.mm("@t_102 t_2'", t_102, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_103 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_103 * s.C)), mean=True)
         t_104 = softmax_diff(s.A2, s.mm("@t_101 W_O2' W_V' N_1'", t_101, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
         t_105 = s.mm("@t_104 t_2'", t_104, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_105 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_105 * s.S), tr(s.R)), mean=True)
-        t_106 = lin((1, s.prod("@t_102' t_38'", tr(t_102), tr(s.t_38))), (1, s.prod("@t_104' t_39'", tr(t_104), tr(s.t_39))))
+        t_106 = lin((1, s.prod("@t_102' t_36'", tr(t_102), tr(s.t_36))), (1, s.prod("@t_104' t_37'", tr(t_104), tr(s.t_37))))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_101 W_O1'", tr(s.N_1), tr(s.A1), t_101, tr(s.W_O1)), (1, "N_1' A2' @t_101 W_O2'", tr(s.N_1), tr(s.A2), t_101, tr(s.W_O2)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' @t_101", tr(s.W_V), tr(s.N_1), tr(s.A1), t_101, mean=True)
@@ -5142,42 +5352,42 @@ class ce_causal0(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_107 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_108 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_109 = lin((1, s.prod("t_38' @t_107", tr(s.t_38), t_107)), (1, s.prod("@t_108 t_7'", t_108, tr(s.t_7))))
+        t_109 = lin((1, s.prod("t_36' @t_107", tr(s.t_36), t_107)), (1, s.prod("@t_108 t_7'", t_108, tr(s.t_7))))
         t_110 = (1/math.sqrt(s.d_K)) * t_109
         t_112 = softmax_diff2(s.A1, t_110, s.t_111)
         t_114 = softmax_diff(s.A1, t_110)
         t_115 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_116 = lin((1, s.prod("@t_115 t_7'", t_115, tr(s.t_7))), (1, s.prod("t_39' @t_107", tr(s.t_39), t_107)))
+        t_116 = lin((1, s.prod("@t_115 t_7'", t_115, tr(s.t_7))), (1, s.prod("t_37' @t_107", tr(s.t_37), t_107)))
         t_117 = (1/math.sqrt(s.d_K)) * t_116
         t_118 = softmax_diff(s.A2, t_117)
         t_119 = lin((1, s.mm_sum('r', (1, '@t_114 N_1 W_V W_O1', t_114, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_118 N_1 W_V W_O2', t_118, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_120 = s.mm('_ one', (t_119 * s.Y_2), s.one)
-        t_121 = (t_120 * s.t_50)
+        t_121 = (t_120 * s.t_48)
         t_122 = lin((1, t_119, s.R_N_2), (2/s.d_V, t_121))
         t_123 = lin((1, s.prod('@t_122 W_1', t_122, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_125 = lin((1, s.prod('@t_122 W_3', t_122, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_126 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
         t_127 = lin((1, s.t_113, t_123), (1, s.t_124, t_125), (1, s.t_85, t_126))
-        t_128 = lin((1, s.t_124, t_123), (1, s.t_33, t_126))
+        t_128 = lin((1, s.t_124, t_123), (1, s.t_32, t_126))
         t_129 = lin((1, s.prod("@t_127 W_1'", t_127, tr(s.W_1))), (1, s.prod("@t_128 W_3'", t_128, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
-        t_130 = lin((1, s.t_66, t_119), (2/s.d_V, s.t_50, t_129), (2/s.d_V, t_120, s.t_67))
-        t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_69), (1, s.t_41, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
-        t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_130 = lin((1, s.t_64, t_119), (2/s.d_V, s.t_48, t_129), (2/s.d_V, t_120, s.t_65))
+        t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_67), (1, s.t_39, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
+        t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_40 @V_W_O1' W_V' N_1'", s.t_40, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_40 W_O1' @V_W_V' N_1'", s.t_40, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_133 = softmax_diff(s.A1, t_132)
         t_134 = (t_112 + t_133)
         t_136 = lin((1, s.prod("@t_134 t_2'", t_134, tr(s.t_2))), (1, s.prod("t_135 @t_107'", s.t_135, tr(t_107))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_136 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_136 * s.C)), mean=True)
         t_138 = softmax_diff2(s.A2, t_117, s.t_137)
-        t_139 = s.mm_sum('r', (1, "@t_131 W_O2' W_V' N_1'", t_131, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_139 = s.mm_sum('r', (1, "@t_131 W_O2' W_V' N_1'", t_131, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_40 W_O2' @V_W_V' N_1'", s.t_40, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_40 @V_W_O2' W_V' N_1'", s.t_40, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
         t_140 = softmax_diff(s.A2, t_139)
         t_141 = (t_138 + t_140)
         t_143 = lin((1, s.prod("@t_141 t_2'", t_141, tr(s.t_2))), (1, s.prod("t_142 @t_107'", s.t_142, tr(t_107))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_143 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), mean=True)
-        t_144 = lin((1, s.prod("@t_134' t_38'", tr(t_134), tr(s.t_38))), (1, s.prod("@t_141' t_39'", tr(t_141), tr(s.t_39))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
+        t_144 = lin((1, s.prod("@t_134' t_36'", tr(t_134), tr(s.t_36))), (1, s.prod("@t_141' t_37'", tr(t_141), tr(s.t_37))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' @t_114' t_42 W_O1'", tr(s.N_1), tr(t_114), s.t_42, tr(s.W_O1)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' @t_118' t_42 W_O2'", tr(s.N_1), tr(t_118), s.t_42, tr(s.W_O2)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_114' t_42", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_118' t_42", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_114' t_40 W_O1'", tr(s.N_1), tr(t_114), s.t_40, tr(s.W_O1)), (1, "N_1' A1' t_40 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_40, tr(V_W_O1)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' @t_118' t_40 W_O2'", tr(s.N_1), tr(t_118), s.t_40, tr(s.W_O2)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), (1, "N_1' A2' t_40 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_40, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_40", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_40), (1, "W_V' N_1' @t_114' t_40", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_40), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_40", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_40), (1, "W_V' N_1' @t_118' t_40", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_40), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
         out_W_1 = (s.mm("@t_122' t_20", tr(t_122), s.t_20, mean=True) + s.mm("N_2' @t_127", tr(s.N_2), t_127, mean=True))
         out_W_3 = (s.mm("@t_122' t_21", tr(t_122), s.t_21, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
         out_W_2 = s.mm('_ G', lin((1, tr(s.t_85), tr(t_123)), (1, s.t_145, tr(t_125))), s.G, mean=True)
@@ -5187,28 +5397,28 @@ class ce_causal0(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_146 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_147 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_148 = lin((1, s.prod("t_38' @t_146", tr(s.t_38), t_146)), (1, s.prod("@t_147 t_7'", t_147, tr(s.t_7))))
+        t_148 = lin((1, s.prod("t_36' @t_146", tr(s.t_36), t_146)), (1, s.prod("@t_147 t_7'", t_147, tr(s.t_7))))
         t_149 = (1/math.sqrt(s.d_K)) * t_148
         t_161 = softmax_diff2(s.A1, t_149, s.t_160)
         t_163 = softmax_diff(s.A1, t_149)
         t_164 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_165 = lin((1, s.prod("@t_164 t_7'", t_164, tr(s.t_7))), (1, s.prod("t_39' @t_146", tr(s.t_39), t_146)))
+        t_165 = lin((1, s.prod("@t_164 t_7'", t_164, tr(s.t_7))), (1, s.prod("t_37' @t_146", tr(s.t_37), t_146)))
         t_166 = (1/math.sqrt(s.d_K)) * t_165
         t_167 = softmax_diff(s.A2, t_166)
         t_168 = lin((1, s.mm_sum('r', (1, '@t_163 N_1 W_V W_O1', t_163, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_167 N_1 W_V W_O2', t_167, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_169 = s.mm('_ one', (t_168 * s.Y_2), s.one)
-        t_170 = (t_169 * s.t_50)
+        t_170 = (t_169 * s.t_48)
         t_171 = lin((1, t_168, s.R_N_2), (2/s.d_V, t_170))
         t_172 = lin((1, s.prod('@t_171 W_1', t_171, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_173 = lin((1, s.prod('@t_171 W_3', t_171, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_174 = lin((1, s.t_85, t_172), (1, s.t_33, t_173))
-        t_175 = lin((1, t_168), (1, s.prod('@t_174 W_2', t_174, s.W_2)), (1, s.prod("t_49' @V_W_2", tr(s.t_49), V_W_2)))
+        t_174 = lin((1, s.t_85, t_172), (1, s.t_32, t_173))
+        t_175 = lin((1, t_168), (1, s.prod('@t_174 W_2', t_174, s.W_2)), (1, s.prod("t_47' @V_W_2", tr(s.t_47), V_W_2)))
         t_176 = (s.t_4 * softmax_diff(s.t_18, t_175))
         t_177 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_176 W_2'", t_176, tr(s.W_2))))
         t_179 = lin((1, s.t_162, t_172), (1, s.t_85, t_177), (1, s.t_178, t_173))
-        t_180 = lin((1, s.t_178, t_172), (1, s.t_33, t_177))
+        t_180 = lin((1, s.t_178, t_172), (1, s.t_32, t_177))
         t_181 = lin((1, s.prod("@t_179 W_1'", t_179, tr(s.W_1))), (1, s.prod("@t_180 W_3'", t_180, tr(s.W_3))), (1, s.prod("t_152 @V_W_1'", s.t_152, tr(V_W_1))), (1, s.prod("t_154 @V_W_3'", s.t_154, tr(V_W_3))))
-        t_185 = lin((1, s.t_183, t_168), (2/s.d_V, s.t_50, t_181), (2/s.d_V, t_169, s.t_184))
+        t_185 = lin((1, s.t_183, t_168), (2/s.d_V, s.t_48, t_181), (2/s.d_V, t_169, s.t_184))
         t_186 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_169, s.t_182), (1, s.t_158, t_168), (1, s.mm('@t_185 one', t_185, s.one), s.Y_2), (1/s.L, t_176))
         t_187 = s.mm_sum('r', (1, "@t_186 W_O1' W_V' N_1'", t_186, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_159 W_O1' @V_W_V' N_1'", s.t_159, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_159 @V_W_O1' W_V' N_1'", s.t_159, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
         t_188 = softmax_diff(s.A1, t_187)
@@ -5221,7 +5431,7 @@ class ce_causal0(Forward):
         t_196 = (t_193 + t_195)
         t_198 = lin((1, s.prod("@t_196 t_2'", t_196, tr(s.t_2))), (1, s.prod("t_197 @t_146'", s.t_197, tr(t_146))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_198 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_198 * s.C)), mean=True)
-        t_199 = lin((1, s.prod("@t_189' t_38'", tr(t_189), tr(s.t_38))), (1, s.prod("@t_196' t_39'", tr(t_196), tr(s.t_39))), (1, s.prod("t_190' @t_147", tr(s.t_190), t_147)), (1, s.prod("t_197' @t_164", tr(s.t_197), t_164)))
+        t_199 = lin((1, s.prod("@t_189' t_36'", tr(t_189), tr(s.t_36))), (1, s.prod("@t_196' t_37'", tr(t_196), tr(s.t_37))), (1, s.prod("t_190' @t_147", tr(s.t_190), t_147)), (1, s.prod("t_197' @t_164", tr(s.t_197), t_164)))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_199 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' @t_167' t_159 W_O2'", tr(s.N_1), tr(t_167), s.t_159, tr(s.W_O2)), (1, "N_1' A2' t_159 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_159, tr(V_W_O2)), (1, "N_1' A2' @t_186 W_O2'", tr(s.N_1), tr(s.A2), t_186, tr(s.W_O2)), (1, "N_1' A1' t_159 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_159, tr(V_W_O1)), (1, "N_1' A1' @t_186 W_O1'", tr(s.N_1), tr(s.A1), t_186, tr(s.W_O1)), (1, "N_1' @t_163' t_159 W_O1'", tr(s.N_1), tr(t_163), s.t_159, tr(s.W_O1)), mean=True)
         out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_159", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_159), (1, "W_V' N_1' @t_163' t_159", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_159), mean=True)), (1, s.mm("W_V' N_1' A1' @t_186", tr(s.W_V), tr(s.N_1), tr(s.A1), t_186, mean=True)))
@@ -5240,11 +5450,11 @@ class ce_causal1(Forward):
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_159'": 2,
-        "@V_W_O1 t_42'": 2,
+        "@V_W_O1 t_40'": 2,
         "@V_W_O1' W_V'": 2,
         "@V_W_O1' W_V' N_1'": 2,
         "@V_W_O2 t_159'": 2,
-        "@V_W_O2 t_42'": 2,
+        "@V_W_O2 t_40'": 2,
         "@V_W_O2' W_V'": 2,
         "@V_W_O2' W_V' N_1'": 2,
         "@V_W_Q1' N_1'": 2,
@@ -5262,10 +5472,10 @@ class ce_causal1(Forward):
         "@t_101' A2 N_1": 2,
         '@t_114 N_1': 3,
         '@t_114 N_1 W_V': 2,
-        "@t_114' t_42": 2,
+        "@t_114' t_40": 2,
         '@t_118 N_1': 3,
         '@t_118 N_1 W_V': 2,
-        "@t_118' t_42": 2,
+        "@t_118' t_40": 2,
         "@t_131 W_O1'": 2,
         "@t_131 W_O2'": 2,
         "@t_131' A1": 2,
@@ -5287,11 +5497,11 @@ class ce_causal1(Forward):
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
         "A1' t_159": 2,
-        "A1' t_42": 5,
+        "A1' t_40": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
         "A2' t_159": 2,
-        "A2' t_42": 5,
+        "A2' t_40": 5,
         "G W_2'": 2,
         'N_1 @V_W_V W_O1': 2,
         'N_1 @V_W_V W_O2': 2,
@@ -5301,21 +5511,21 @@ class ce_causal1(Forward):
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
-        "N_1' @t_114' t_42": 2,
-        "N_1' @t_118' t_42": 2,
+        "N_1' @t_114' t_40": 2,
+        "N_1' @t_118' t_40": 2,
         "N_1' @t_163' t_159": 2,
         "N_1' @t_167' t_159": 2,
         "N_1' A1' t_159": 2,
-        "N_1' A1' t_42": 4,
+        "N_1' A1' t_40": 4,
         "N_1' A2' t_159": 2,
-        "N_1' A2' t_42": 4,
+        "N_1' A2' t_40": 4,
         "W_O1 t_159'": 3,
         "W_O1 t_26'": 2,
-        "W_O1 t_42'": 5,
+        "W_O1 t_40'": 5,
         "W_O1' W_V'": 13,
         "W_O2 t_159'": 3,
         "W_O2 t_26'": 2,
-        "W_O2 t_42'": 5,
+        "W_O2 t_40'": 5,
         "W_O2' W_V'": 13,
     }
 
@@ -5485,175 +5695,175 @@ class ce_causal1(Forward):
 
     @leaf
     def t_28(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
-
-    @leaf
-    def t_29(s):
         return s.mm("t_26 W_O1'", s.t_26, tr(s.W_O1))
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (s.t_14 * s.t_13)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return tr(s.t_8)
 
     @leaf
-    def t_35(s):
+    def t_34(s):
         return softmax_diff(s.A2, s.mm("t_26 W_O2' W_V' N_1'", s.t_26, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_36(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
-
-    @leaf
-    def t_37(s):
+    def t_35(s):
         return s.mm("t_26 W_O2'", s.t_26, tr(s.W_O2))
 
     @leaf
-    def t_38(s):
+    def t_36(s):
         return tr(s.t_9)
 
     @leaf
-    def t_39(s):
+    def t_37(s):
         return tr(s.t_10)
 
     @leaf
-    def t_40(s):
+    def t_38(s):
         return mul((2/s.d_V) * s.t_22, s.t_23, s.Y_2)
 
     @leaf
+    def t_39(s):
+        return s.mm('t_38 one', s.t_38, s.one)
+
+    @leaf
+    def t_40(s):
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_39, s.Y_2), (1, s.G))
+
+    @leaf
     def t_41(s):
-        return s.mm('t_40 one', s.t_40, s.one)
+        return s.mm("t_40 W_O1'", s.t_40, tr(s.W_O1))
 
     @leaf
     def t_42(s):
-        return lin((1, s.t_22, s.R_N_2), (1, s.t_41, s.Y_2), (1, s.G))
+        return s.mm("t_40 W_O2'", s.t_40, tr(s.W_O2))
 
     @leaf
     def t_43(s):
-        return s.mm("t_42 W_O1'", s.t_42, tr(s.W_O1))
+        return s.mm("A1' t_40", tr(s.A1), s.t_40)
 
     @leaf
     def t_44(s):
-        return s.mm("t_42 W_O2'", s.t_42, tr(s.W_O2))
+        return s.mm("A2' t_40", tr(s.A2), s.t_40)
 
     @leaf
     def t_45(s):
-        return s.mm("A1' t_42", tr(s.A1), s.t_42)
+        return tr(s.t_29)
 
     @leaf
     def t_46(s):
-        return s.mm("A2' t_42", tr(s.A2), s.t_42)
+        return tr(s.t_31)
 
     @leaf
     def t_47(s):
-        return tr(s.t_30)
-
-    @leaf
-    def t_48(s):
-        return tr(s.t_32)
-
-    @leaf
-    def t_49(s):
         return tr(s.t_17)
 
     @leaf
-    def t_50(s):
+    def t_48(s):
         return (s.t_23 * s.Y_2)
 
     @leaf
-    def t_51(s):
+    def t_49(s):
         return mul(s.t_15, s.t_13, s.t_16)
 
     @leaf
-    def t_52(s):
+    def t_50(s):
         return (s.t_14 * s.t_16)
 
     @leaf
-    def t_53(s):
+    def t_51(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_54(s):
+    def t_52(s):
         return mul(((2.0 * s.t_14) - 1.0), (s.t_14 - 1.0), s.t_14)
 
     @leaf
-    def t_55(s):
-        return mul(s.t_54, s.t_19, s.t_13, s.t_16)
+    def t_53(s):
+        return mul(s.t_52, s.t_19, s.t_13, s.t_16)
 
     @leaf
-    def t_56(s):
+    def t_54(s):
         return mul(s.t_15, s.t_19, s.t_16)
 
     @leaf
-    def t_57(s):
+    def t_55(s):
         return mul(s.t_15, s.t_19, s.t_13)
 
     @leaf
-    def t_58(s):
+    def t_56(s):
         return (s.t_14 * s.t_19)
 
     @leaf
-    def t_59(s):
+    def t_57(s):
         return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22 * s.t_23)
 
     @leaf
-    def t_60(s):
+    def t_58(s):
         return (0.75 * (s.t_12 ** -2.5))
 
     @leaf
-    def t_61(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22, s.t_60, s.Y_2)
+    def t_59(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22, s.t_58, s.Y_2)
 
     @leaf
-    def t_62(s):
+    def t_60(s):
         return bcast_last(s.t_25, s.d_V)
 
     @leaf
-    def t_63(s):
+    def t_61(s):
         return ((1/math.sqrt(s.d_K)) * s.t_22 * s.t_23)
 
     @leaf
+    def t_62(s):
+        return (1/math.sqrt(s.d_K)) * s.t_40
+
+    @leaf
+    def t_63(s):
+        return softmax_diff(s.A1, s.mm("t_62 W_O1' W_V' N_1'", s.t_62, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_64(s):
-        return (1/math.sqrt(s.d_K)) * s.t_42
-
-    @leaf
-    def t_65(s):
-        return softmax_diff(s.A1, s.mm("t_64 W_O1' W_V' N_1'", s.t_64, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_66(s):
         return ((2/s.d_V) * s.t_22 * s.t_23)
 
     @leaf
+    def t_65(s):
+        return mul((2/s.d_V) * s.t_22, s.t_58, s.Y_2)
+
+    @leaf
+    def t_66(s):
+        return bcast_last(s.t_39, s.d_V)
+
+    @leaf
     def t_67(s):
-        return mul((2/s.d_V) * s.t_22, s.t_60, s.Y_2)
-
-    @leaf
-    def t_68(s):
-        return bcast_last(s.t_41, s.d_V)
-
-    @leaf
-    def t_69(s):
         return (s.t_22 * s.t_23)
 
     @leaf
+    def t_68(s):
+        return softmax_diff(s.A2, s.mm("t_62 W_O2' W_V' N_1'", s.t_62, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_69(s):
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+
+    @leaf
     def t_70(s):
-        return softmax_diff(s.A2, s.mm("t_64 W_O2' W_V' N_1'", s.t_64, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
     def one_2(s):
@@ -5685,7 +5895,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_77(s):
-        return s.mm("t_35 t_2'", s.t_35, tr(s.t_2))
+        return s.mm("t_34 t_2'", s.t_34, tr(s.t_2))
 
     @leaf
     def t_78(s):
@@ -5697,11 +5907,11 @@ class ce_causal1(Forward):
 
     @leaf
     def t_80(s):
-        return s.mm("t_65' t_38'", tr(s.t_65), tr(s.t_38))
+        return s.mm("t_63' t_36'", tr(s.t_63), tr(s.t_36))
 
     @leaf
     def t_81(s):
-        return s.mm("t_70' t_39'", tr(s.t_70), tr(s.t_39))
+        return s.mm("t_68' t_37'", tr(s.t_68), tr(s.t_37))
 
     @leaf
     def t_82(s):
@@ -5717,19 +5927,19 @@ class ce_causal1(Forward):
 
     @leaf
     def t_85(s):
-        return (s.t_51 + s.t_52)
+        return (s.t_49 + s.t_50)
 
     @leaf
     def t_111(s):
-        return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return s.mm("t_40 W_O1' W_V' N_1'", s.t_40, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_113(s):
-        return lin((1, s.t_55), (2, s.t_56))
+        return lin((1, s.t_53), (2, s.t_54))
 
     @leaf
     def t_124(s):
-        return (s.t_57 + s.t_58)
+        return (s.t_55 + s.t_56)
 
     @leaf
     def t_135(s):
@@ -5737,7 +5947,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_137(s):
-        return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return s.mm("t_40 W_O2' W_V' N_1'", s.t_40, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_142(s):
@@ -5793,7 +6003,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_162(s):
-        return lin((1, mul(s.t_54, s.t_151, s.t_13), s.t_16), (2, (s.t_15 * s.t_151), s.t_16))
+        return lin((1, mul(s.t_52, s.t_151, s.t_13), s.t_16), (2, (s.t_15 * s.t_151), s.t_16))
 
     @leaf
     def t_178(s):
@@ -5809,7 +6019,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_184(s):
-        return mul((2/s.d_V) * s.t_156, s.t_60, s.Y_2)
+        return mul((2/s.d_V) * s.t_156, s.t_58, s.Y_2)
 
     @leaf
     def t_190(s):
@@ -5844,15 +6054,15 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_50),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_51),
-            net(1, 'nab->nab', s.t_52),
+            net(1, 'nab->nab', s.t_49),
+            net(1, 'nab->nab', s.t_50),
         ])
 
     @leaf
@@ -5860,7 +6070,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_33),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
         ])
 
     @leaf
@@ -5875,8 +6085,8 @@ class ce_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_53, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_53, s.t_53),
+            net(1, 'nab,bc->nabc', s.t_51, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_51, s.t_51),
         ])
 
     @leaf
@@ -5884,7 +6094,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_33, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
         ])
 
     @leaf
@@ -5892,7 +6102,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_50, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_48, ONES, s.Y_2),
         ])
 
     @leaf
@@ -5923,16 +6133,16 @@ class ce_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_55),
-            net(2, 'nab->nab', s.t_56),
+            net(1, 'nab->nab', s.t_53),
+            net(2, 'nab->nab', s.t_54),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_57),
-            net(1, 'nab->nab', s.t_58),
+            net(1, 'nab->nab', s.t_55),
+            net(1, 'nab->nab', s.t_56),
         ])
 
     @leaf
@@ -5955,17 +6165,17 @@ class ce_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_50, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_59, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_60, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -6031,16 +6241,16 @@ class ce_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_35, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_35),
+            net(1, 'nab,bc->nabc', s.t_34, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_34, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_34),
         ])
 
     @leaf
     def S_23(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_34, s.S_17, s.t_8, s.dA_3),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_33, s.S_17, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -6048,26 +6258,26 @@ class ce_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_65, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_65),
+            net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_63, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_63),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_50, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_48, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_69, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
         ])
@@ -6076,9 +6286,9 @@ class ce_causal1(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_70, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_70),
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_68, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_68),
         ])
 
     @leaf
@@ -6086,7 +6296,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_26', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_50),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
@@ -6101,8 +6311,8 @@ class ce_causal1(Forward):
     def S_28(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_28', [
-            net(1/s.L, 'nab->nab', s.t_51),
-            net(1/s.L, 'nab->nab', s.t_52),
+            net(1/s.L, 'nab->nab', s.t_49),
+            net(1/s.L, 'nab->nab', s.t_50),
         ])
 
     @leaf
@@ -6113,10 +6323,80 @@ class ce_causal1(Forward):
             net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_7, s.S_8),
         ])
 
+    @leaf
+    def S_30(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_30', [
+            net(1, 'nabc,nadb->nacd', s.S_9, s.dA_2),
+        ])
+
+    @leaf
+    def S_31(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_31', [
+            net(1, 'nabc,nadb,naef,df->nace', s.S_8, s.S_7, s.dA_2, s.W_2),
+        ])
+
+    @leaf
+    def S_32(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_32', [
+            net(1, 'abc,deb->ecad', s.S_10, s.S_20),
+        ])
+
+    @leaf
+    def S_33(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_33', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_69),
+        ])
+
+    @leaf
+    def S_34(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_34', [
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_22),
+        ])
+
+    @leaf
+    def S_35(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_35', [
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_5),
+        ])
+
+    @leaf
+    def S_36(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_36', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_70),
+        ])
+
+    @leaf
+    def S_37(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_37', [
+            net(1, 'nabc,db->nacd', s.S_25, s.t_69),
+        ])
+
+    @leaf
+    def S_38(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_38', [
+            net(1, 'nabc,db->nacd', s.S_25, s.t_70),
+        ])
+
+    @leaf
+    def S_39(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_39', [
+            net(1, 'nabc,nadb->nacd', s.S_8, s.S_7),
+        ])
+
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_6, s.dA, s.t_7, s.S_10, s.N_1, s.S_30),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
@@ -6128,7 +6408,7 @@ class ce_causal1(Forward):
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1, s.S_30),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
@@ -6142,8 +6422,8 @@ class ce_causal1(Forward):
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_31),
         ]
 
     def block__W_Q1__W_K__functional(s):
@@ -6152,7 +6432,7 @@ class ce_causal1(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_27, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_27, s.N_1, s.S_32),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -6160,41 +6440,41 @@ class ce_causal1(Forward):
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.W_O1, s.S_17, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -6207,13 +6487,13 @@ class ce_causal1(Forward):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.N_2, s.S_34),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -6232,13 +6512,13 @@ class ce_causal1(Forward):
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.G, s.S_35),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1, s.S_30),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -6250,223 +6530,223 @@ class ce_causal1(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_31),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_35, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_34, s.N_1, s.S_32),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_36, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_36, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_35),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.S_17, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.S_17, s.t_29),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_31, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_31, s.W_O2, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_30, s.W_O2, s.S_17, s.t_31),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.N_2, s.S_34),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_34, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_33, s.G, s.S_35),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_31),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_3, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_4, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_36, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_37, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_28, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_28, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_36, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_36, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_3, s.N_1, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_36, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_36, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA, s.N_1, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_37, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_37, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA_3, s.N_1, s.t_42),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.t_29, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.t_31, s.t_42),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_31, s.W_O1, s.S_25, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_36, s.dA, s.t_30, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA, s.t_30, s.W_O1, s.S_25, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_25, s.t_29),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.t_31, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_31, s.t_42),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_31, s.W_O2, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_25, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_30, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_30, s.W_O2, s.S_25, s.t_31),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.N_2, s.S_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.N_2, s.S_34),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_3, s.t_34, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_36, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA_3, s.t_33, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA_3, s.t_34, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_36, s.dA, s.t_3, s.G, s.S_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_37, s.dA_3, s.t_33, s.G, s.S_35),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -6474,12 +6754,12 @@ class ce_causal1(Forward):
         return [
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.A2, s.W_O2, s.N_1, s.S_31),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -6494,31 +6774,31 @@ class ce_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.t_29, s.S_30),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_45, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_30),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_43, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_29),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.t_31, s.S_30),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_46, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_44, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_31),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -6532,16 +6812,16 @@ class ce_causal1(Forward):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_34),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_34),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -6563,120 +6843,120 @@ class ce_causal1(Forward):
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A1, s.W_O1, s.G, s.S_35),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A2, s.W_O2, s.G, s.S_35),
         ]
 
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_27, s.t_5, s.t_29, s.S_30),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_25, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_25, s.t_29),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_27, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_25, s.t_31),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_47, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_45, s.N_2, s.S_34),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_47, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_47, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_47, s.S_27, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_45, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_47, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_45, s.G, s.S_35),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_46, s.S_27, s.t_5, s.t_31, s.S_30),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_46, s.S_25, s.t_31),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_48, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_46, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_46, s.N_2, s.S_34),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_48, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_46, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_46, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_48, s.S_27, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_46, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_48, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_46, s.G, s.S_35),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -6694,7 +6974,7 @@ class ce_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -6718,25 +6998,25 @@ class ce_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_33, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_33, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_32, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_33, s.W_2, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_32, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_33, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_49, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_47, s.t_5, s.dA_2, s.t_17),
         ]
 
     def jacobian__W_Q1(s):
@@ -6756,8 +7036,8 @@ class ce_causal1(Forward):
         return [
             net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1, s.S_39),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1, s.S_39),
         ]
 
     def jacobian__W_V(s):
@@ -6765,20 +7045,20 @@ class ce_causal1(Forward):
         return [
             net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
             net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A1, s.W_O1, s.N_1, s.S_39),
+            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A2, s.W_O2, s.N_1, s.S_39),
         ]
 
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_30),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_29),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_31),
         ]
 
     def jacobian__W_1(s):
@@ -6790,7 +7070,7 @@ class ce_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_33, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -6808,9 +7088,9 @@ class ce_causal1(Forward):
         out_W_Q1 = s.mm_sum('l', (1, "N_1' t_75 R'", tr(s.N_1), s.t_75, tr(s.R)), (1, "N_1' t_76", tr(s.N_1), s.t_76), mean=True)
         out_W_Q2 = s.mm_sum('l', (1, "N_1' t_78", tr(s.N_1), s.t_78), (1, "N_1' t_79 R'", tr(s.N_1), s.t_79, tr(s.R)), mean=True)
         out_W_K = s.mm_sum('l', (1, "N_1' t_83", tr(s.N_1), s.t_83), (1, "N_1' t_84 R'", tr(s.N_1), s.t_84, tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_42 W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_42", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_42, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_42", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_42, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_40 W_O2'", tr(s.N_1), tr(s.A2), s.t_40, tr(s.W_O2)), (1, "N_1' A1' t_40 W_O1'", tr(s.N_1), tr(s.A1), s.t_40, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_40", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_40, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_40", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_40, mean=True)
         out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
         out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
         out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
@@ -6820,27 +7100,27 @@ class ce_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_86 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_87 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_88 = lin((1/math.sqrt(s.d_K), s.prod("t_38' @t_86", tr(s.t_38), t_86)), (1/math.sqrt(s.d_K), s.prod("@t_87 t_7'", t_87, tr(s.t_7))))
+        t_88 = lin((1/math.sqrt(s.d_K), s.prod("t_36' @t_86", tr(s.t_36), t_86)), (1/math.sqrt(s.d_K), s.prod("@t_87 t_7'", t_87, tr(s.t_7))))
         t_89 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_90 = lin((1/math.sqrt(s.d_K), s.prod("@t_89 t_7'", t_89, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_39' @t_86", tr(s.t_39), t_86)))
+        t_90 = lin((1/math.sqrt(s.d_K), s.prod("@t_89 t_7'", t_89, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_37' @t_86", tr(s.t_37), t_86)))
         t_91 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_88), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_90), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_92 = lin((1, t_91, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_91 * s.Y_2), s.one), s.t_50))
+        t_92 = lin((1, t_91, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_91 * s.Y_2), s.one), s.t_48))
         t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_95 = lin((1, t_91), (1, s.prod('_ W_2', lin((1, s.t_85, t_93), (1, s.t_33, t_94)), s.W_2)), (1, s.prod("t_49' @V_W_2", tr(s.t_49), V_W_2)))
-        t_96 = (s.t_4 * softmax_diff(s.t_53, t_95))
+        t_95 = lin((1, t_91), (1, s.prod('_ W_2', lin((1, s.t_85, t_93), (1, s.t_32, t_94)), s.W_2)), (1, s.prod("t_47' @V_W_2", tr(s.t_47), V_W_2)))
+        t_96 = (s.t_4 * softmax_diff(s.t_51, t_95))
         t_97 = s.mm("@t_96 W_2'", t_96, tr(s.W_2))
         t_98 = ((1/s.L) * s.t_85 * t_97)
-        t_99 = (s.t_33 * t_97)
+        t_99 = (s.t_32 * t_97)
         t_100 = lin((1, s.prod("@t_98 W_1'", t_98, tr(s.W_1))), (1/s.L, s.prod("@t_99 W_3'", t_99, tr(s.W_3))))
-        t_101 = lin((1, t_100, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_50 * t_100), s.one), s.Y_2), (1/s.L, t_96))
+        t_101 = lin((1, t_100, s.R_N_2), (1, (2/s.d_V) * s.mm('_ one', (s.t_48 * t_100), s.one), s.Y_2), (1/s.L, t_96))
         t_102 = softmax_diff(s.A1, s.mm("@t_101 W_O1' W_V' N_1'", t_101, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_103 = s.mm("@t_102 t_2'", t_102, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_103 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_103 * s.S), tr(s.R)), mean=True)
         t_104 = softmax_diff(s.A2, s.mm("@t_101 W_O2' W_V' N_1'", t_101, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
         t_105 = s.mm("@t_104 t_2'", t_104, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_105 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_105 * s.S), tr(s.R)), mean=True)
-        t_106 = lin((1, s.prod("@t_102' t_38'", tr(t_102), tr(s.t_38))), (1, s.prod("@t_104' t_39'", tr(t_104), tr(s.t_39))))
+        t_106 = lin((1, s.prod("@t_102' t_36'", tr(t_102), tr(s.t_36))), (1, s.prod("@t_104' t_37'", tr(t_104), tr(s.t_37))))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_101 W_O1'", tr(s.N_1), tr(s.A1), t_101, tr(s.W_O1)), (1, "N_1' A2' @t_101 W_O2'", tr(s.N_1), tr(s.A2), t_101, tr(s.W_O2)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' @t_101", tr(s.W_V), tr(s.N_1), tr(s.A1), t_101, mean=True)
@@ -6854,42 +7134,42 @@ class ce_causal1(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_107 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_108 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_109 = lin((1, s.prod("t_38' @t_107", tr(s.t_38), t_107)), (1, s.prod("@t_108 t_7'", t_108, tr(s.t_7))))
+        t_109 = lin((1, s.prod("t_36' @t_107", tr(s.t_36), t_107)), (1, s.prod("@t_108 t_7'", t_108, tr(s.t_7))))
         t_110 = (1/math.sqrt(s.d_K)) * t_109
         t_112 = softmax_diff2(s.A1, t_110, s.t_111)
         t_114 = softmax_diff(s.A1, t_110)
         t_115 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_116 = lin((1, s.prod("@t_115 t_7'", t_115, tr(s.t_7))), (1, s.prod("t_39' @t_107", tr(s.t_39), t_107)))
+        t_116 = lin((1, s.prod("@t_115 t_7'", t_115, tr(s.t_7))), (1, s.prod("t_37' @t_107", tr(s.t_37), t_107)))
         t_117 = (1/math.sqrt(s.d_K)) * t_116
         t_118 = softmax_diff(s.A2, t_117)
         t_119 = lin((1, s.mm_sum('r', (1, '@t_114 N_1 W_V W_O1', t_114, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_118 N_1 W_V W_O2', t_118, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_120 = s.mm('_ one', (t_119 * s.Y_2), s.one)
-        t_121 = (t_120 * s.t_50)
+        t_121 = (t_120 * s.t_48)
         t_122 = lin((1, t_119, s.R_N_2), (2/s.d_V, t_121))
         t_123 = lin((1, s.prod('@t_122 W_1', t_122, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_125 = lin((1, s.prod('@t_122 W_3', t_122, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_126 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
         t_127 = lin((1, s.t_113, t_123), (1, s.t_124, t_125), (1, s.t_85, t_126))
-        t_128 = lin((1, s.t_124, t_123), (1, s.t_33, t_126))
+        t_128 = lin((1, s.t_124, t_123), (1, s.t_32, t_126))
         t_129 = lin((1, s.prod("@t_127 W_1'", t_127, tr(s.W_1))), (1, s.prod("@t_128 W_3'", t_128, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
-        t_130 = lin((1, s.t_66, t_119), (2/s.d_V, s.t_50, t_129), (2/s.d_V, t_120, s.t_67))
-        t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_69), (1, s.t_41, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
-        t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_130 = lin((1, s.t_64, t_119), (2/s.d_V, s.t_48, t_129), (2/s.d_V, t_120, s.t_65))
+        t_131 = lin((1, t_129, s.R_N_2), (2/s.d_V, t_120, s.t_67), (1, s.t_39, t_119), (1, s.mm('@t_130 one', t_130, s.one), s.Y_2))
+        t_132 = s.mm_sum('r', (1, "@t_131 W_O1' W_V' N_1'", t_131, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_40 @V_W_O1' W_V' N_1'", s.t_40, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_40 W_O1' @V_W_V' N_1'", s.t_40, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_133 = softmax_diff(s.A1, t_132)
         t_134 = (t_112 + t_133)
         t_136 = lin((1, s.prod("@t_134 t_2'", t_134, tr(s.t_2))), (1, s.prod("t_135 @t_107'", s.t_135, tr(t_107))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_136 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_136 * s.C)), mean=True)
         t_138 = softmax_diff2(s.A2, t_117, s.t_137)
-        t_139 = s.mm_sum('r', (1, "@t_131 W_O2' W_V' N_1'", t_131, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_139 = s.mm_sum('r', (1, "@t_131 W_O2' W_V' N_1'", t_131, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_40 @V_W_O2' W_V' N_1'", s.t_40, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_40 W_O2' @V_W_V' N_1'", s.t_40, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
         t_140 = softmax_diff(s.A2, t_139)
         t_141 = (t_138 + t_140)
         t_143 = lin((1, s.prod("@t_141 t_2'", t_141, tr(s.t_2))), (1, s.prod("t_142 @t_107'", s.t_142, tr(t_107))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_143 * s.C)), mean=True)
-        t_144 = lin((1, s.prod("@t_134' t_38'", tr(t_134), tr(s.t_38))), (1, s.prod("@t_141' t_39'", tr(t_141), tr(s.t_39))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
+        t_144 = lin((1, s.prod("@t_134' t_36'", tr(t_134), tr(s.t_36))), (1, s.prod("@t_141' t_37'", tr(t_141), tr(s.t_37))), (1, s.prod("t_135' @t_108", tr(s.t_135), t_108)), (1, s.prod("t_142' @t_115", tr(s.t_142), t_115)))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), (1, "N_1' @t_114' t_42 W_O1'", tr(s.N_1), tr(t_114), s.t_42, tr(s.W_O1)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), (1, "N_1' @t_118' t_42 W_O2'", tr(s.N_1), tr(t_118), s.t_42, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_114' t_42", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_118' t_42", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_40 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_40, tr(V_W_O2)), (1, "N_1' @t_114' t_40 W_O1'", tr(s.N_1), tr(t_114), s.t_40, tr(s.W_O1)), (1, "N_1' A1' @t_131 W_O1'", tr(s.N_1), tr(s.A1), t_131, tr(s.W_O1)), (1, "N_1' A1' t_40 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_40, tr(V_W_O1)), (1, "N_1' A2' @t_131 W_O2'", tr(s.N_1), tr(s.A2), t_131, tr(s.W_O2)), (1, "N_1' @t_118' t_40 W_O2'", tr(s.N_1), tr(t_118), s.t_40, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_40", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_40), (1, "W_V' N_1' @t_114' t_40", tr(s.W_V), tr(s.N_1), tr(t_114), s.t_40), mean=True)), (1, s.mm("W_V' N_1' A1' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A1), t_131, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_40", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_40), (1, "W_V' N_1' @t_118' t_40", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_40), mean=True)), (1, s.mm("W_V' N_1' A2' @t_131", tr(s.W_V), tr(s.N_1), tr(s.A2), t_131, mean=True)))
         out_W_1 = (s.mm("@t_122' t_20", tr(t_122), s.t_20, mean=True) + s.mm("N_2' @t_127", tr(s.N_2), t_127, mean=True))
         out_W_3 = (s.mm("@t_122' t_21", tr(t_122), s.t_21, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
         out_W_2 = s.mm('_ G', lin((1, tr(s.t_85), tr(t_123)), (1, s.t_145, tr(t_125))), s.G, mean=True)
@@ -6899,28 +7179,28 @@ class ce_causal1(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_146 = lin((1, s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)), tr(s.S)), (1, s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)), tr(s.C)))
         t_147 = lin((1, s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1), s.C), (1, s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R), s.S))
-        t_148 = lin((1, s.prod("t_38' @t_146", tr(s.t_38), t_146)), (1, s.prod("@t_147 t_7'", t_147, tr(s.t_7))))
+        t_148 = lin((1, s.prod("t_36' @t_146", tr(s.t_36), t_146)), (1, s.prod("@t_147 t_7'", t_147, tr(s.t_7))))
         t_149 = (1/math.sqrt(s.d_K)) * t_148
         t_161 = softmax_diff2(s.A1, t_149, s.t_160)
         t_163 = softmax_diff(s.A1, t_149)
         t_164 = lin((1, s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2), s.C), (1, s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R), s.S))
-        t_165 = lin((1, s.prod("@t_164 t_7'", t_164, tr(s.t_7))), (1, s.prod("t_39' @t_146", tr(s.t_39), t_146)))
+        t_165 = lin((1, s.prod("@t_164 t_7'", t_164, tr(s.t_7))), (1, s.prod("t_37' @t_146", tr(s.t_37), t_146)))
         t_166 = (1/math.sqrt(s.d_K)) * t_165
         t_167 = softmax_diff(s.A2, t_166)
         t_168 = lin((1, s.mm_sum('r', (1, '@t_163 N_1 W_V W_O1', t_163, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_167 N_1 W_V W_O2', t_167, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_169 = s.mm('_ one', (t_168 * s.Y_2), s.one)
-        t_170 = (t_169 * s.t_50)
+        t_170 = (t_169 * s.t_48)
         t_171 = lin((1, t_168, s.R_N_2), (2/s.d_V, t_170))
         t_172 = lin((1, s.prod('@t_171 W_1', t_171, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_173 = lin((1, s.prod('@t_171 W_3', t_171, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
-        t_174 = lin((1, s.t_85, t_172), (1, s.t_33, t_173))
-        t_175 = lin((1, t_168), (1, s.prod('@t_174 W_2', t_174, s.W_2)), (1, s.prod("t_49' @V_W_2", tr(s.t_49), V_W_2)))
+        t_174 = lin((1, s.t_85, t_172), (1, s.t_32, t_173))
+        t_175 = lin((1, t_168), (1, s.prod('@t_174 W_2', t_174, s.W_2)), (1, s.prod("t_47' @V_W_2", tr(s.t_47), V_W_2)))
         t_176 = (s.t_4 * softmax_diff(s.t_18, t_175))
         t_177 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_176 W_2'", t_176, tr(s.W_2))))
         t_179 = lin((1, s.t_162, t_172), (1, s.t_85, t_177), (1, s.t_178, t_173))
-        t_180 = lin((1, s.t_178, t_172), (1, s.t_33, t_177))
+        t_180 = lin((1, s.t_178, t_172), (1, s.t_32, t_177))
         t_181 = lin((1, s.prod("@t_179 W_1'", t_179, tr(s.W_1))), (1, s.prod("@t_180 W_3'", t_180, tr(s.W_3))), (1, s.prod("t_152 @V_W_1'", s.t_152, tr(V_W_1))), (1, s.prod("t_154 @V_W_3'", s.t_154, tr(V_W_3))))
-        t_185 = lin((1, s.t_183, t_168), (2/s.d_V, s.t_50, t_181), (2/s.d_V, t_169, s.t_184))
+        t_185 = lin((1, s.t_183, t_168), (2/s.d_V, s.t_48, t_181), (2/s.d_V, t_169, s.t_184))
         t_186 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_169, s.t_182), (1, s.t_158, t_168), (1, s.mm('@t_185 one', t_185, s.one), s.Y_2), (1/s.L, t_176))
         t_187 = s.mm_sum('r', (1, "@t_186 W_O1' W_V' N_1'", t_186, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_159 W_O1' @V_W_V' N_1'", s.t_159, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_159 @V_W_O1' W_V' N_1'", s.t_159, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
         t_188 = softmax_diff(s.A1, t_187)
@@ -6933,7 +7213,7 @@ class ce_causal1(Forward):
         t_196 = (t_193 + t_195)
         t_198 = lin((1, s.prod("@t_196 t_2'", t_196, tr(s.t_2))), (1, s.prod("t_197 @t_146'", s.t_197, tr(t_146))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_198 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_198 * s.S), tr(s.R)), mean=True)
-        t_199 = lin((1, s.prod("@t_189' t_38'", tr(t_189), tr(s.t_38))), (1, s.prod("@t_196' t_39'", tr(t_196), tr(s.t_39))), (1, s.prod("t_190' @t_147", tr(s.t_190), t_147)), (1, s.prod("t_197' @t_164", tr(s.t_197), t_164)))
+        t_199 = lin((1, s.prod("@t_189' t_36'", tr(t_189), tr(s.t_36))), (1, s.prod("@t_196' t_37'", tr(t_196), tr(s.t_37))), (1, s.prod("t_190' @t_147", tr(s.t_190), t_147)), (1, s.prod("t_197' @t_164", tr(s.t_197), t_164)))
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_199 * s.C)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A2' t_159 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_159, tr(V_W_O2)), (1, "N_1' @t_163' t_159 W_O1'", tr(s.N_1), tr(t_163), s.t_159, tr(s.W_O1)), (1, "N_1' A1' t_159 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_159, tr(V_W_O1)), (1, "N_1' A2' @t_186 W_O2'", tr(s.N_1), tr(s.A2), t_186, tr(s.W_O2)), (1, "N_1' A1' @t_186 W_O1'", tr(s.N_1), tr(s.A1), t_186, tr(s.W_O1)), (1, "N_1' @t_167' t_159 W_O2'", tr(s.N_1), tr(t_167), s.t_159, tr(s.W_O2)), mean=True)
         out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_159", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_159), (1, "W_V' N_1' @t_163' t_159", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_159), mean=True)), (1, s.mm("W_V' N_1' A1' @t_186", tr(s.W_V), tr(s.N_1), tr(s.A1), t_186, mean=True)))
@@ -6950,4 +7230,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "3a81d6fec523982c0e839d52"
+CHECKSUM = "3840c7a17abb6dd7238a8904"

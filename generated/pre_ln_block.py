@@ -412,7 +412,7 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def S_5(s):
-        """A product shared by several compacts as a compact tensor (1 network)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_5', [
             net(1, 'nab,cb,bd->nadc', s.t_9, s.W_1, s.W_2),
         ])
@@ -558,6 +558,48 @@ class mse_bias0_causal0(Forward):
             net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
         ])
 
+    @leaf
+    def S_22(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_22', [
+            net(1, 'nabc,cd->nabd', s.S_12, s.W_1),
+        ])
+
+    @leaf
+    def S_23(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_23', [
+            net(1, 'nabc,cd,be->ndae', s.S_3, s.S_13, s.W_1),
+        ])
+
+    @leaf
+    def S_24(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_24', [
+            net(1, 'nabc,cd,eb,fe->ndaf', s.S_9, s.S_13, s.S_15, s.W_V),
+        ])
+
+    @leaf
+    def S_25(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_25', [
+            net(1, 'nabc,db->ncad', s.S, s.S_17),
+        ])
+
+    @leaf
+    def S_26(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_26', [
+            net(1, 'nabc,cd->nbad', s.S_18, s.W_1),
+        ])
+
+    @leaf
+    def S_27(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_27', [
+            net(1, 'nabc,db->ndca', s.S, s.S_4),
+        ])
+
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
@@ -587,16 +629,16 @@ class mse_bias0_causal0(Forward):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,nai,nafg->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,ih,nai,naj,nafg,nkai->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_22, s.S_23),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,nah,niag->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_23),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_9, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_22, s.S_24),
         ]
 
     def block__W_Q__W_1__outer(s):
@@ -608,7 +650,7 @@ class mse_bias0_causal0(Forward):
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_11, s.S_25),
         ]
 
     def block__W_Q__W_2__outer(s):
@@ -620,7 +662,7 @@ class mse_bias0_causal0(Forward):
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_25),
         ]
 
     def block__W_K__W_K__outer(s):
@@ -639,16 +681,16 @@ class mse_bias0_causal0(Forward):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_23, s.N_1, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_23, s.N_1, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,nbi,nbfg->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,ih,nbi,nbj,nbfg,nkbi->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_22, s.S_23),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,nbh,nibg->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_23),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_9, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_23, s.N_1, s.dA, s.N_1, s.t_22, s.S_24),
         ]
 
     def block__W_K__W_1__outer(s):
@@ -660,7 +702,7 @@ class mse_bias0_causal0(Forward):
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.t_11, s.S_25),
         ]
 
     def block__W_K__W_2__outer(s):
@@ -672,16 +714,16 @@ class mse_bias0_causal0(Forward):
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_25),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_24, s.t_22, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_24, s.S_18, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_24, s.S_18, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_24, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,nbc,cd,nbe,nfbc->af|ed', s.t_24, s.t_9, s.W_2, s.t_22, s.S_26),
+            net(1/s.n_batch, 'nab,nbc,cd,ed,nbe,nbf,ngbe,nhbc->ah|fg', s.t_24, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_23, s.S_26),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,nbe,nfbc->ad|ef', s.t_24, s.W_2, s.t_9, s.t_22, s.S_23),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -699,7 +741,7 @@ class mse_bias0_causal0(Forward):
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_24, s.S_4, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_24, s.t_11, s.S_27),
         ]
 
     def block__W_V__W_2__outer(s):
@@ -711,7 +753,7 @@ class mse_bias0_causal0(Forward):
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_24, s.S_4, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_24, s.W_1, s.t_9, s.G, s.S_27),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -754,7 +796,7 @@ class mse_bias0_causal0(Forward):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_9, s.t_22, s.S_23),
         ]
 
     def jacobian__W_1(s):
@@ -1259,7 +1301,7 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def S_5(s):
-        """A product shared by several compacts as a compact tensor (1 network)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_5', [
             net(1, 'nab,cb,bd->nadc', s.t_9, s.W_1, s.W_2),
         ])
@@ -1405,6 +1447,48 @@ class mse_bias0_causal1(Forward):
             net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
         ])
 
+    @leaf
+    def S_22(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_22', [
+            net(1, 'nabc,cd->nabd', s.S_12, s.W_1),
+        ])
+
+    @leaf
+    def S_23(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_23', [
+            net(1, 'nabc,cd,be->ndae', s.S_3, s.S_13, s.W_1),
+        ])
+
+    @leaf
+    def S_24(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_24', [
+            net(1, 'nabc,cd,eb,fe->ndaf', s.S_9, s.S_13, s.S_15, s.W_V),
+        ])
+
+    @leaf
+    def S_25(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_25', [
+            net(1, 'nabc,db->ncad', s.S, s.S_17),
+        ])
+
+    @leaf
+    def S_26(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_26', [
+            net(1, 'nabc,cd->nbad', s.S_18, s.W_1),
+        ])
+
+    @leaf
+    def S_27(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_27', [
+            net(1, 'nabc,db->ndca', s.S, s.S_4),
+        ])
+
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
@@ -1434,16 +1518,16 @@ class mse_bias0_causal1(Forward):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,nai,nafg->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,ih,nai,naj,nafg,nkai->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_22, s.S_23),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,nah,niag->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_23),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_9, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_22, s.S_24),
         ]
 
     def block__W_Q__W_1__outer(s):
@@ -1455,7 +1539,7 @@ class mse_bias0_causal1(Forward):
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_11, s.S_25),
         ]
 
     def block__W_Q__W_2__outer(s):
@@ -1467,7 +1551,7 @@ class mse_bias0_causal1(Forward):
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_25),
         ]
 
     def block__W_K__W_K__outer(s):
@@ -1486,16 +1570,16 @@ class mse_bias0_causal1(Forward):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_23, s.N_1, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_23, s.N_1, s.dA, s.t_3, s.S_12, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,nbi,nbfg->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,ih,nbi,nbj,nbfg,nkbi->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_22, s.S_23),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,nbh,nibg->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_23),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_9, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_23, s.N_1, s.dA, s.N_1, s.t_22, s.S_24),
         ]
 
     def block__W_K__W_1__outer(s):
@@ -1507,7 +1591,7 @@ class mse_bias0_causal1(Forward):
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.t_11, s.S_25),
         ]
 
     def block__W_K__W_2__outer(s):
@@ -1519,16 +1603,16 @@ class mse_bias0_causal1(Forward):
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_25),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_24, s.t_22, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_24, s.S_18, s.W_1, s.t_9, s.W_2, s.t_22),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_24, s.S_18, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_24, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,nbc,cd,nbe,nfbc->af|ed', s.t_24, s.t_9, s.W_2, s.t_22, s.S_26),
+            net(1/s.n_batch, 'nab,nbc,cd,ed,nbe,nbf,ngbe,nhbc->ah|fg', s.t_24, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_23, s.S_26),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,nbe,nfbc->ad|ef', s.t_24, s.W_2, s.t_9, s.t_22, s.S_23),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -1546,7 +1630,7 @@ class mse_bias0_causal1(Forward):
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_24, s.S_4, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_24, s.t_11, s.S_27),
         ]
 
     def block__W_V__W_2__outer(s):
@@ -1558,7 +1642,7 @@ class mse_bias0_causal1(Forward):
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_24, s.S_4, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_24, s.W_1, s.t_9, s.G, s.S_27),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -1601,7 +1685,7 @@ class mse_bias0_causal1(Forward):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_13),
+            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_9, s.t_22, s.S_23),
         ]
 
     def jacobian__W_1(s):
@@ -2102,7 +2186,7 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def S_3(s):
-        """A product shared by several compacts as a compact tensor (1 network)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_3', [
             net(1, 'nab,cb,bd->nadc', s.t_11, s.W_1, s.W_2),
         ])
@@ -2271,10 +2355,52 @@ class ce_bias0_causal0(Forward):
             net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
         ])
 
+    @leaf
+    def S_22(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_22', [
+            net(1, 'nabc,nadb->nacd', s.S_7, s.dA_2),
+        ])
+
+    @leaf
+    def S_23(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_23', [
+            net(1, 'nabc,dc->nabd', s.dA_2, s.W_2),
+        ])
+
+    @leaf
+    def S_24(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_24', [
+            net(1, 'nabc,cd,be->ndae', s.S_5, s.S_14, s.W_1),
+        ])
+
+    @leaf
+    def S_25(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_25', [
+            net(1, 'nabc,cd,eb,fe->ndaf', s.S_9, s.S_14, s.S_16, s.W_V),
+        ])
+
+    @leaf
+    def S_26(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_26', [
+            net(1, 'nabc,db->ncad', s.S, s.S_17),
+        ])
+
+    @leaf
+    def S_27(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_27', [
+            net(1, 'nabc,db->ndca', s.S, s.S_6),
+        ])
+
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.N_1, s.t_7),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|kl', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.N_1, s.t_7, s.S_22),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -2286,7 +2412,7 @@ class ce_bias0_causal0(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|lk', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_22),
         ]
 
     def block__W_Q__W_K__functional(s):
@@ -2300,14 +2426,14 @@ class ce_bias0_causal0(Forward):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh,njah->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_15),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_16, s.S_9, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_25, s.S_25),
         ]
 
     def block__W_Q__W_1__outer(s):
@@ -2319,7 +2445,7 @@ class ce_bias0_causal0(Forward):
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_14, s.S_26),
         ]
 
     def block__W_Q__W_2__outer(s):
@@ -2331,13 +2457,13 @@ class ce_bias0_causal0(Forward):
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_26),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nhi,nbij,nbk,njl,nbhg->da|lk', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_22),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -2350,14 +2476,14 @@ class ce_bias0_causal0(Forward):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh,njbh->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_15),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_26, s.N_1, s.dA, s.N_1, s.W_V, s.S_16, s.S_9, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_26, s.N_1, s.dA, s.N_1, s.t_25, s.S_25),
         ]
 
     def block__W_K__W_1__outer(s):
@@ -2369,7 +2495,7 @@ class ce_bias0_causal0(Forward):
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_26, s.N_1, s.dA, s.t_3, s.t_14, s.S_26),
         ]
 
     def block__W_K__W_2__outer(s):
@@ -2381,14 +2507,14 @@ class ce_bias0_causal0(Forward):
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_26),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_27, s.S_19, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde,ngbe->ac|fg', s.t_27, s.S_19, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -2406,7 +2532,7 @@ class ce_bias0_causal0(Forward):
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_27, s.S_6, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_27, s.t_14, s.S_27),
         ]
 
     def block__W_V__W_2__outer(s):
@@ -2418,7 +2544,7 @@ class ce_bias0_causal0(Forward):
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_27, s.S_6, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_27, s.W_1, s.t_11, s.G, s.S_27),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -2461,7 +2587,7 @@ class ce_bias0_causal0(Forward):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_25, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
+            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_11, s.t_25, s.S_24),
         ]
 
     def jacobian__W_1(s):
@@ -2962,7 +3088,7 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def S_3(s):
-        """A product shared by several compacts as a compact tensor (1 network)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_3', [
             net(1, 'nab,cb,bd->nadc', s.t_11, s.W_1, s.W_2),
         ])
@@ -3131,10 +3257,52 @@ class ce_bias0_causal1(Forward):
             net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
         ])
 
+    @leaf
+    def S_22(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_22', [
+            net(1, 'nabc,nadb->nacd', s.S_7, s.dA_2),
+        ])
+
+    @leaf
+    def S_23(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_23', [
+            net(1, 'nabc,dc->nabd', s.dA_2, s.W_2),
+        ])
+
+    @leaf
+    def S_24(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_24', [
+            net(1, 'nabc,cd,be->ndae', s.S_5, s.S_14, s.W_1),
+        ])
+
+    @leaf
+    def S_25(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_25', [
+            net(1, 'nabc,cd,eb,fe->ndaf', s.S_9, s.S_14, s.S_16, s.W_V),
+        ])
+
+    @leaf
+    def S_26(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_26', [
+            net(1, 'nabc,db->ncad', s.S, s.S_17),
+        ])
+
+    @leaf
+    def S_27(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_27', [
+            net(1, 'nabc,db->ndca', s.S, s.S_6),
+        ])
+
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.N_1, s.t_7),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|kl', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.N_1, s.t_7, s.S_22),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -3146,7 +3314,7 @@ class ce_bias0_causal1(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|lk', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_22),
         ]
 
     def block__W_Q__W_K__functional(s):
@@ -3160,14 +3328,14 @@ class ce_bias0_causal1(Forward):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh,njah->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_15),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_16, s.S_9, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_25, s.S_25),
         ]
 
     def block__W_Q__W_1__outer(s):
@@ -3179,7 +3347,7 @@ class ce_bias0_causal1(Forward):
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_14, s.S_26),
         ]
 
     def block__W_Q__W_2__outer(s):
@@ -3191,13 +3359,13 @@ class ce_bias0_causal1(Forward):
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_26),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.dA_2, s.S_7, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nhi,nbij,nbk,njl,nbhg->da|lk', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_22),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -3210,14 +3378,14 @@ class ce_bias0_causal1(Forward):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh,njbh->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_15),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_26, s.N_1, s.dA, s.N_1, s.W_V, s.S_16, s.S_9, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_26, s.N_1, s.dA, s.N_1, s.t_25, s.S_25),
         ]
 
     def block__W_K__W_1__outer(s):
@@ -3229,7 +3397,7 @@ class ce_bias0_causal1(Forward):
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_26, s.N_1, s.dA, s.t_3, s.t_14, s.S_26),
         ]
 
     def block__W_K__W_2__outer(s):
@@ -3241,14 +3409,14 @@ class ce_bias0_causal1(Forward):
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_17, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_26),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_27, s.S_19, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde,ngbe->ac|fg', s.t_27, s.S_19, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -3266,7 +3434,7 @@ class ce_bias0_causal1(Forward):
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_27, s.S_6, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_27, s.t_14, s.S_27),
         ]
 
     def block__W_V__W_2__outer(s):
@@ -3278,7 +3446,7 @@ class ce_bias0_causal1(Forward):
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_27, s.S_6, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_27, s.W_1, s.t_11, s.G, s.S_27),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -3321,7 +3489,7 @@ class ce_bias0_causal1(Forward):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_25, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_5, s.t_25, s.S_14),
+            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_11, s.t_25, s.S_24),
         ]
 
     def jacobian__W_1(s):
@@ -3440,4 +3608,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "2a9d056a37b20e1352a2eb5e"
+CHECKSUM = "531043fbdd3b7b4f8948702a"

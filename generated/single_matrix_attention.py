@@ -571,10 +571,17 @@ class ce_causal0(Forward):
             net(1, 'nab,ncad,nde->ncbe', s.X, s.d2A, s.X),
         ])
 
+    @leaf
+    def S(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S', [
+            net(1, 'nabc,bd->ncad', s.M_2, s.W_V),
+        ])
+
     def block__W_QK__W_QK__outer(s):
         """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1)"""
         return [
-            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,gf,nagh,nai->dc|ih', s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,ed,naef,nag,nhac->bh|gf', s.X, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.S),
         ]
 
     def block__W_QK__W_QK__functional(s):
@@ -586,7 +593,7 @@ class ce_causal0(Forward):
     def block__W_QK__W_V__outer(s):
         """H_o(W_QK, W_V) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,nag->dc|gf', s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae,nfac->bf|ed', s.X, s.t_2, s.dA_2, s.M_1, s.S),
         ]
 
     def block__W_QK__W_V__functional(s):
@@ -795,10 +802,17 @@ class ce_causal1(Forward):
             net(1, 'nab,ncad,nde->ncbe', s.X, s.d2A, s.X),
         ])
 
+    @leaf
+    def S(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S', [
+            net(1, 'nabc,bd->ncad', s.M_2, s.W_V),
+        ])
+
     def block__W_QK__W_QK__outer(s):
         """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1)"""
         return [
-            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,gf,nagh,nai->dc|ih', s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,ed,naef,nag,nhac->bh|gf', s.X, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.S),
         ]
 
     def block__W_QK__W_QK__functional(s):
@@ -810,7 +824,7 @@ class ce_causal1(Forward):
     def block__W_QK__W_V__outer(s):
         """H_o(W_QK, W_V) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,nag->dc|gf', s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae,nfac->bf|ed', s.X, s.t_2, s.dA_2, s.M_1, s.S),
         ]
 
     def block__W_QK__W_V__functional(s):
@@ -882,4 +896,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "9808ab3ab0e0cf1a8b08d91f"
+CHECKSUM = "0da9f8d9214a8c2c99d9774c"

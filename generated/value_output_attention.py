@@ -898,24 +898,16 @@ class ce_causal0(Forward):
     }
 
     @leaf
-    def t(s):
-        return s.mm('W_V W_O', s.W_V, s.W_O)
-
-    @leaf
     def one(s):
         return ones((s.d_V, 1), s.like)
 
     @leaf
-    def t_2(s):
+    def t(s):
         return s.mm('Y one', s.Y, s.one)
 
     @leaf
-    def t_3(s):
-        return bcast_last(s.t_2, s.d_V)
-
-    @leaf
-    def t_4(s):
-        return tr(s.t)
+    def t_2(s):
+        return bcast_last(s.t, s.d_V)
 
     @leaf
     def T(s):
@@ -935,35 +927,43 @@ class ce_causal0(Forward):
 
     @leaf
     def G(s):
-        return lin((1/s.L, s.t_2, softmax_rows(s.F)), (-1/s.L, s.Y))
+        return lin((1/s.L, s.t, softmax_rows(s.F)), (-1/s.L, s.Y))
 
     @leaf
-    def t_5(s):
+    def t_3(s):
         return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
 
     @leaf
-    def t_6(s):
-        return s.mm("X' t_5 X", tr(s.X), s.t_5, s.X)
+    def t_4(s):
+        return s.mm("X' t_3 X", tr(s.X), s.t_3, s.X)
 
     @leaf
-    def t_7(s):
+    def t_5(s):
         return s.mm("G W_O'", s.G, tr(s.W_O))
 
     @leaf
-    def t_8(s):
+    def t_6(s):
         return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
-    def t_9(s):
+    def t_7(s):
         return s.mm("M_1' G", tr(s.M_1), s.G)
 
     @leaf
+    def t_8(s):
+        return tr(s.t_6)
+
+    @leaf
+    def t_9(s):
+        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
+
+    @leaf
     def t_10(s):
-        return tr(s.t_8)
+        return softmax_rows(s.F)
 
     @leaf
     def t_11(s):
-        return softmax_rows(s.F)
+        return tr(s.t_9)
 
     @leaf
     def one_2(s):
@@ -991,7 +991,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_16(s):
-        return lin((1, s.t_2, s.t_15), (-1, s.Y))
+        return lin((1, s.t, s.t_15), (-1, s.Y))
 
     @leaf
     def G_2(s):
@@ -1040,17 +1040,17 @@ class ce_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_11, s.t_11),
+            net(1, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_10, s.t_10),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_5, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_5, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_5),
+            net(1, 'nab,bc->nabc', s.t_3, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_3, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_3),
         ])
 
     @leaf
@@ -1060,10 +1060,24 @@ class ce_causal0(Forward):
             net(1, 'nab,ncad,nde->ncbe', s.X, s.d2A, s.X),
         ])
 
+    @leaf
+    def S(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S', [
+            net(1, 'ab,ncad->nbcd', s.t_11, s.M_2),
+        ])
+
+    @leaf
+    def S_2(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_2', [
+            net(1, 'ab,ncbd,ncea->ncde', s.t_9, s.M_2, s.dA_2),
+        ])
+
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_K),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncd,nce,ncf,gh,neca,ncge->db|fh', s.W_K, s.X, s.t_2, s.X, s.W_K, s.S, s.S_2),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -1075,32 +1089,32 @@ class ce_causal0(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncd,nce,ncf,fg,neca,nche->db|hg', s.W_K, s.X, s.t_2, s.X, s.W_Q, s.S, s.S_2),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T))[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_6, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_4, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch,ig->eb|hi', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncd,nce,ncef,ncg,hf,neca->db|gh', s.W_K, s.X, s.t_2, s.dA_2, s.M_1, s.W_O, s.S),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V) = 1/sqrt(d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (G @ W_O.T ⊗ I[d_V]) @ K[d_H,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,ncf->eb|df', s.W_K, s.M_2, s.X, s.t_7),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,ncf->eb|df', s.W_K, s.M_2, s.X, s.t_5),
         ]
 
     def block__W_Q__W_O__outer(s):
         """H_o(W_Q, W_O) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_8),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncd,nce,ncef,ncg,neca->db|gf', s.W_K, s.X, s.t_2, s.dA_2, s.t_6, s.S),
         ]
 
     def block__W_Q__W_O__functional(s):
@@ -1112,7 +1126,7 @@ class ce_causal0(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,nca,ncd,nce,ef,ndcg,nchd->gb|hf', s.W_Q, s.X, s.t_2, s.X, s.W_Q, s.S, s.S_2),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -1124,19 +1138,19 @@ class ce_causal0(Forward):
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch,ig->eb|hi', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,nca,ncd,ncde,ncf,ge,ndch->hb|fg', s.W_Q, s.X, s.t_2, s.dA_2, s.M_1, s.W_O, s.S),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (G @ W_O.T ⊗ I[d_V]) @ K[d_H,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,ncf->eb|df', s.W_Q, s.M_2, s.X, s.t_7),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,ncf->eb|df', s.W_Q, s.M_2, s.X, s.t_5),
         ]
 
     def block__W_K__W_O__outer(s):
         """H_o(W_K, W_O) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_8),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,nca,ncd,ncde,ncf,ndcg->gb|fe', s.W_Q, s.X, s.t_2, s.dA_2, s.t_6, s.S),
         ]
 
     def block__W_K__W_O__functional(s):
@@ -1148,37 +1162,37 @@ class ce_causal0(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_3, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_2, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_V__W_O__outer(s):
         """H_o(W_V, W_O) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_3, s.dA_2, s.t_8),
+            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_2, s.dA_2, s.t_6),
         ]
 
     def block__W_V__W_O__functional(s):
         """H_f(W_V, W_O) = (M_1.T @ G ⊗ I[d_H]) @ K[d_V,d_H]"""
         return [
-            net(1/s.n_batch, 'nab->ac|cb', s.t_9, free={'c': s.d_H}),
+            net(1/s.n_batch, 'nab->ac|cb', s.t_7, free={'c': s.d_H}),
         ]
 
     def block__W_O__W_O__outer(s):
         """H_o(W_O, W_O) = 1/L*((W_V.T @ M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_10, s.t_3, s.dA_2, s.t_8),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_8, s.t_2, s.dA_2, s.t_6),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,df->n|ca|ef', s.t_4, s.M_2, s.X, s.W_K),
+            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,df->n|ca|ef', s.t_9, s.M_2, s.X, s.W_K),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,ef->n|ca|df', s.t_4, s.M_2, s.X, s.W_Q),
+            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,ef->n|ca|df', s.t_9, s.M_2, s.X, s.W_Q),
         ]
 
     def jacobian__W_V(s):
@@ -1190,7 +1204,7 @@ class ce_causal0(Forward):
     def jacobian__W_O(s):
         """∂vec_r F/∂vec_r W_O, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_8, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_6, free={'c': s.d_V}),
         ]
 
     def loss(s):
@@ -1209,7 +1223,7 @@ class ce_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_20 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_20), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_22 = (s.t_2 * softmax_diff(s.t_19, t_21))
+        t_22 = (s.t * softmax_diff(s.t_19, t_21))
         t_23 = softmax_diff(s.A, s.mm("@t_22 W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
         out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_23 X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
         out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_23' X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
@@ -1239,7 +1253,7 @@ class ce_causal0(Forward):
         t_34 = softmax_diff2(s.A, t_32, s.t_33)
         t_35 = softmax_diff(s.A, t_32)
         t_36 = lin((1, s.mm_sum('r', (1, '@t_35 X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_37 = (s.t_2 * softmax_diff(s.t_15, t_36))
+        t_37 = (s.t * softmax_diff(s.t_15, t_36))
         t_38 = s.mm_sum('r', (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/s.L), "@t_37 W_O' W_V' X'", t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_39 = softmax_diff(s.A, t_38)
         t_40 = (t_34 + t_39)
@@ -1312,24 +1326,16 @@ class ce_causal1(Forward):
     }
 
     @leaf
-    def t(s):
-        return s.mm('W_V W_O', s.W_V, s.W_O)
-
-    @leaf
     def one(s):
         return ones((s.d_V, 1), s.like)
 
     @leaf
-    def t_2(s):
+    def t(s):
         return s.mm('Y one', s.Y, s.one)
 
     @leaf
-    def t_3(s):
-        return bcast_last(s.t_2, s.d_V)
-
-    @leaf
-    def t_4(s):
-        return tr(s.t)
+    def t_2(s):
+        return bcast_last(s.t, s.d_V)
 
     @leaf
     def T(s):
@@ -1349,35 +1355,43 @@ class ce_causal1(Forward):
 
     @leaf
     def G(s):
-        return lin((1/s.L, s.t_2, softmax_rows(s.F)), (-1/s.L, s.Y))
+        return lin((1/s.L, s.t, softmax_rows(s.F)), (-1/s.L, s.Y))
 
     @leaf
-    def t_5(s):
+    def t_3(s):
         return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
 
     @leaf
-    def t_6(s):
-        return s.mm("X' t_5 X", tr(s.X), s.t_5, s.X)
+    def t_4(s):
+        return s.mm("X' t_3 X", tr(s.X), s.t_3, s.X)
 
     @leaf
-    def t_7(s):
+    def t_5(s):
         return s.mm("G W_O'", s.G, tr(s.W_O))
 
     @leaf
-    def t_8(s):
+    def t_6(s):
         return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
-    def t_9(s):
+    def t_7(s):
         return s.mm("M_1' G", tr(s.M_1), s.G)
 
     @leaf
+    def t_8(s):
+        return tr(s.t_6)
+
+    @leaf
+    def t_9(s):
+        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
+
+    @leaf
     def t_10(s):
-        return tr(s.t_8)
+        return softmax_rows(s.F)
 
     @leaf
     def t_11(s):
-        return softmax_rows(s.F)
+        return tr(s.t_9)
 
     @leaf
     def one_2(s):
@@ -1405,7 +1419,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_16(s):
-        return lin((1, s.t_2, s.t_15), (-1, s.Y))
+        return lin((1, s.t, s.t_15), (-1, s.Y))
 
     @leaf
     def G_2(s):
@@ -1454,17 +1468,17 @@ class ce_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_11, s.t_11),
+            net(1, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_10, s.t_10),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_5, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_5, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_5),
+            net(1, 'nab,bc->nabc', s.t_3, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_3, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_3),
         ])
 
     @leaf
@@ -1474,10 +1488,24 @@ class ce_causal1(Forward):
             net(1, 'nab,ncad,nde->ncbe', s.X, s.d2A, s.X),
         ])
 
+    @leaf
+    def S(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S', [
+            net(1, 'ab,ncad->nbcd', s.t_11, s.M_2),
+        ])
+
+    @leaf
+    def S_2(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_2', [
+            net(1, 'ab,ncbd,ncea->ncde', s.t_9, s.M_2, s.dA_2),
+        ])
+
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_K),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncd,nce,ncf,gh,neca,ncge->db|fh', s.W_K, s.X, s.t_2, s.X, s.W_K, s.S, s.S_2),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -1489,32 +1517,32 @@ class ce_causal1(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncd,nce,ncf,fg,neca,nche->db|hg', s.W_K, s.X, s.t_2, s.X, s.W_Q, s.S, s.S_2),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T), causal)[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_6, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_4, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch,ig->eb|hi', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncd,nce,ncef,ncg,hf,neca->db|gh', s.W_K, s.X, s.t_2, s.dA_2, s.M_1, s.W_O, s.S),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V) = 1/sqrt(d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (G @ W_O.T ⊗ I[d_V]) @ K[d_H,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,ncf->eb|df', s.W_K, s.M_2, s.X, s.t_7),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,ncf->eb|df', s.W_K, s.M_2, s.X, s.t_5),
         ]
 
     def block__W_Q__W_O__outer(s):
         """H_o(W_Q, W_O) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_8),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncd,nce,ncef,ncg,neca->db|gf', s.W_K, s.X, s.t_2, s.dA_2, s.t_6, s.S),
         ]
 
     def block__W_Q__W_O__functional(s):
@@ -1526,7 +1554,7 @@ class ce_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,nca,ncd,nce,ef,ndcg,nchd->gb|hf', s.W_Q, s.X, s.t_2, s.X, s.W_Q, s.S, s.S_2),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -1538,19 +1566,19 @@ class ce_causal1(Forward):
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch,ig->eb|hi', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,nca,ncd,ncde,ncf,ge,ndch->hb|fg', s.W_Q, s.X, s.t_2, s.dA_2, s.M_1, s.W_O, s.S),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (G @ W_O.T ⊗ I[d_V]) @ K[d_H,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,ncf->eb|df', s.W_Q, s.M_2, s.X, s.t_7),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,ncf->eb|df', s.W_Q, s.M_2, s.X, s.t_5),
         ]
 
     def block__W_K__W_O__outer(s):
         """H_o(W_K, W_O) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_8),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,nca,ncd,ncde,ncf,ndcg->gb|fe', s.W_Q, s.X, s.t_2, s.dA_2, s.t_6, s.S),
         ]
 
     def block__W_K__W_O__functional(s):
@@ -1562,37 +1590,37 @@ class ce_causal1(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_3, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_2, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_V__W_O__outer(s):
         """H_o(W_V, W_O) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_3, s.dA_2, s.t_8),
+            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_2, s.dA_2, s.t_6),
         ]
 
     def block__W_V__W_O__functional(s):
         """H_f(W_V, W_O) = (M_1.T @ G ⊗ I[d_H]) @ K[d_V,d_H]"""
         return [
-            net(1/s.n_batch, 'nab->ac|cb', s.t_9, free={'c': s.d_H}),
+            net(1/s.n_batch, 'nab->ac|cb', s.t_7, free={'c': s.d_H}),
         ]
 
     def block__W_O__W_O__outer(s):
         """H_o(W_O, W_O) = 1/L*((W_V.T @ M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_10, s.t_3, s.dA_2, s.t_8),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_8, s.t_2, s.dA_2, s.t_6),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,df->n|ca|ef', s.t_4, s.M_2, s.X, s.W_K),
+            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,df->n|ca|ef', s.t_9, s.M_2, s.X, s.W_K),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,ef->n|ca|df', s.t_4, s.M_2, s.X, s.W_Q),
+            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,ef->n|ca|df', s.t_9, s.M_2, s.X, s.W_Q),
         ]
 
     def jacobian__W_V(s):
@@ -1604,7 +1632,7 @@ class ce_causal1(Forward):
     def jacobian__W_O(s):
         """∂vec_r F/∂vec_r W_O, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_8, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_6, free={'c': s.d_V}),
         ]
 
     def loss(s):
@@ -1623,7 +1651,7 @@ class ce_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_20 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_20), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_22 = (s.t_2 * softmax_diff(s.t_19, t_21))
+        t_22 = (s.t * softmax_diff(s.t_19, t_21))
         t_23 = softmax_diff(s.A, s.mm("@t_22 W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
         out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_23 X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
         out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_23' X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
@@ -1653,7 +1681,7 @@ class ce_causal1(Forward):
         t_34 = softmax_diff2(s.A, t_32, s.t_33)
         t_35 = softmax_diff(s.A, t_32)
         t_36 = lin((1, s.mm_sum('r', (1, '@t_35 X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
-        t_37 = (s.t_2 * softmax_diff(s.t_15, t_36))
+        t_37 = (s.t * softmax_diff(s.t_15, t_36))
         t_38 = s.mm_sum('r', (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/s.L), "@t_37 W_O' W_V' X'", t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_39 = softmax_diff(s.A, t_38)
         t_40 = (t_34 + t_39)
@@ -1670,4 +1698,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f49b3a687ec2462dcfcdc0eb"
+CHECKSUM = "04891774599509169a5099a9"

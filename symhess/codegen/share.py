@@ -1,4 +1,4 @@
-"""Products of leaves that several compact tensors' terms hold, as compact tensors of their own.
+"""Products that several compact tensors' or blocks' terms hold, as compact tensors of their own.
 
 A full block's per-token compacts apply the MLP's per-token Jacobian J_t = W_1 diag(σ′_t) W_2
 to other compacts: post-LN's are (I + J) S, (I + Jᵀ) S′ and (I + J) S″, each term holding the
@@ -17,8 +17,17 @@ one shared compact, in the order the first holder's output lists them.  Componen
 leaves (X and X) are left alone: their order, hence the pattern, is ambiguous.  Only products
 with no more axes than their holder's output are shared (never an outer product blown up).
 
-Terminates: one pass over the terms; each rewrite removes ≥ 2 operands from a term and adds
-one, and the new compacts' terms hold leaves only (nothing left to share).
+The blocks' and Jacobians' terms hold products of compacts too: the outer blocks of W_Q and
+W_K in a full block both carry, per query token, the chain of LayerNorm and MLP Jacobians
+applied to the value path and to the output's second moments (S S_2 ⋯ S_11 W_Vᵀ M_2: six
+B L d³ products).  ``share`` names such a *chain* once when two or more of those terms hold
+it: a component as above whose operands are compacts and parameter leaves that carry no
+output atom (data leaves such as X stay out: they carry the sums over tokens), with at least
+one compact; the runtime again materialises it or inlines it, whichever plans fewer flops.
+
+Terminates: one pass over the compacts' terms and one over the blocks' and Jacobians'; each
+rewrite removes ≥ 2 operands from a term and adds one, and the new compacts' terms are not
+visited again.
 """
 from __future__ import annotations
 
@@ -29,55 +38,94 @@ from ..runtime.network import components
 
 
 class SharedProduct:
-    """The key of a compact that is a product of leaves (``Program.compacts``)."""
+    """The key of a compact that is a product several terms hold (``Program.compacts``)."""
 
-    name = "A product shared by several compacts"
+    name = "A product several terms share"
 
     def __init__(self, index):
         self.index = index
+
+    @property
+    def key(self):
+        return f"<shared product {self.index}>"
 
     def __repr__(self):
         return f"<shared product {self.index}>"
 
 
 def share(prog):
-    """Rewrite ``prog``'s compact terms so that each product of leaves held by two or more
-    of them is one compact (module docstring)."""
-    found = {}                     # pattern → [(holder, term index, leaf positions, names, externals)]
-    for node in list(prog.compact_order):
-        for i, t in enumerate(prog.compacts[node]):
-            for comp, names, ext, key in _components(t):
-                found.setdefault(key, []).append((node, i, comp, names, ext))
+    """Rewrite the terms of ``prog``'s compacts so that each product of leaves held by two or
+    more of them is one compact, then those of its blocks and Jacobians so that each chain of
+    compacts held by two or more of them is one (module docstring); returns how many."""
+    holders = [prog.compacts[node] for node in prog.compact_order]
+    found = _found(holders, lambda t: _components(t))
     made = 0
     for users in found.values():
-        if len(users) < 2:
-            continue
-        node, i, comp, names, ext = users[0]
-        axes = [names[a] for a in ext]          # the first holder's order, as pattern names
-        first = prog.compacts[node][i]
-        shared = SharedProduct(made)
-        made += 1
-        prog.compacts[shared] = [replace(first, coef=1, operands=[first.operands[k] for k in comp],
-                                         groups=[list(ext)])]
-        prog.compact_order.insert(prog.compact_order.index(node), shared)
-        for holder, j, comp_j, names_j, _ in users:
-            atom = {c: a for a, c in names_j.items()}
-            t = prog.compacts[holder][j]
-            rest = [op for k, op in enumerate(t.operands) if k not in comp_j]
-            rest.append(replace(t.operands[comp_j[0]], kind="compact", ref=shared,
-                                rows=tuple(atom[c] for c in axes), cols=(1,) * len(axes)))
-            prog.compacts[holder][j] = replace(t, operands=rest)
+        if len(users) >= 2:
+            node = next(n for n in prog.compact_order if prog.compacts[n] is holders[users[0][0]])
+            shared = _rewrite(prog, holders, users, made)
+            prog.compact_order.insert(prog.compact_order.index(node), shared)
+            made += 1
+    d = prog.derivation
+    data = {v for v in d.layer.variables.values() if v.role == "input"} | {d.Y}
+    holders = list(prog.blocks.values()) + list(prog.jacobians.values())
+    for users in _found(holders, lambda t: _chains(t, data)).values():
+        if len(users) >= 2:
+            prog.compact_order.append(_rewrite(prog, holders, users, made))   # after its operands
+            made += 1
     return made
 
 
-def _components(t):
-    """(leaf positions, {atom: pattern name}, external atoms, pattern) of each shareable
-    component of term t, the external atoms in the order of t's output (the first holder's
-    order becomes the shared compact's axes)."""
+def _found(holders, parts):
+    """pattern → [(holder index, term index, operands, {atom: name}, external atoms)] of the
+    parts (``_components``) of every term of ``holders`` (lists of terms)."""
+    found = {}
+    for h, terms in enumerate(holders):
+        for i, t in enumerate(terms):
+            for comp, names, ext, key in parts(t):
+                found.setdefault(key, []).append((h, i, [t.operands[k] for k in comp], names, ext))
+    return found
+
+
+def _rewrite(prog, holders, users, index):
+    """The compact of the product ``users`` share (formed as the first holds it), each user's
+    operands of it replaced by the compact; returns its key."""
+    h, i, ops, names, ext = users[0]
+    axes = [names[a] for a in ext]              # the first holder's order, as pattern names
+    shared = SharedProduct(index)
+    prog.compacts[shared] = [replace(holders[h][i], coef=1, operands=list(ops), groups=[list(ext)])]
+    for h, j, ops_j, names_j, _ in users:
+        atom = {c: a for a, c in names_j.items()}
+        t = holders[h][j]
+        rest = [op for op in t.operands if not any(op is x for x in ops_j)]
+        rest.append(replace(ops_j[0], kind="compact", ref=shared,
+                            rows=tuple(atom[c] for c in axes), cols=(1,) * len(axes)))
+        holders[h][j] = replace(t, operands=rest)
+    return shared
+
+
+def _chains(t, data):
+    """The chains of a block's or Jacobian's term t: components (``_components``) of its
+    compacts and of its parameter leaves that carry no output atom, holding a compact."""
+    out = {a for g in t.groups for a in g}
+
+    def link(op):
+        if op.kind == "compact":
+            return set(op.cols) == {1}
+        return (op.kind == "leaf" and not (op.ref.free_vars & data)
+                and not out.intersection(op.rows + op.cols))
+    return [c for c in _components(t, link) if any(t.operands[k].kind == "compact" for k in c[0])]
+
+
+def _components(t, link=lambda op: op.kind == "leaf"):
+    """(positions, {atom: pattern name}, external atoms, pattern) of each shareable component
+    of term t's operands that ``link`` admits (default: its leaves), the external atoms in
+    the order of t's output (the first holder's order becomes the shared compact's axes)."""
     count = Counter(a for op in t.operands for a in op.rows + (op.cols if op.kind == "leaf" else ()))
     out_atoms = [a for g in t.groups for a in g]
-    leaf = [k for k, op in enumerate(t.operands) if op.kind == "leaf"]
-    atoms = {k: t.operands[k].rows + t.operands[k].cols for k in leaf}
+    leaf = [k for k, op in enumerate(t.operands) if link(op)]
+    atoms = {k: t.operands[k].rows + (t.operands[k].cols if t.operands[k].kind == "leaf" else ())
+             for k in leaf}
     in_leaves = Counter(a for k in leaf for a in atoms[k])
     internal = {a for a, n in in_leaves.items() if n == count[a] and a not in out_atoms}
     result = []
@@ -90,7 +138,7 @@ def _components(t):
         names, pattern = {}, []
         for k in comp:
             op = t.operands[k]
-            pattern.append((op.ref.key, len(op.rows),
+            pattern.append((op.kind, op.ref.key, len(op.rows),
                             tuple(names.setdefault(a, len(names)) for a in atoms[k])))
         ext = [a for a in names if a not in internal]
         if not any(a in internal for a in names) or len(ext) > len(out_atoms):
