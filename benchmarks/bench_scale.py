@@ -4,7 +4,7 @@
                                      [--what hvp,diag,frob,fit]
                                      [--L 512] [--d 512] [--dk 64] [--dff 1024] [--batch 8]
                                      [--loss mse] [--probes 100] [--threads 1] [--device cpu]
-                                     [--fit-kinds diag,frob,hvp]
+                                     [--fit-kinds diag,frob,hvp] [--fit-max-L 512]
 
 Side by side in one process, float64, interleaved rounds (minimum of ``--rounds``):
 
@@ -19,8 +19,8 @@ Side by side in one process, float64, interleaved rounds (minimum of ``--rounds`
   Hutchinson estimate with ``--probes`` probes per column block (one HVP and one
   Gauss–Newton product per probe);
 * fit — the exact routines' cost exponents in L, d and B (log-log least squares over
-  L = 64 … 512, d = 64 … 256, B = 1 … 8, the others at L = d = 128, B = 2), measured and of
-  the planned flops (``symhess.runtime.cost``) side by side.
+  L = 64 … 512, d = 64 … 256, B = 1 … 8, the others at L = d = 128, B = 2; ``--fit-max-L``
+  cuts the L grid), measured and of the planned flops (``symhess.runtime.cost``) side by side.
 
 The torch reference forward is written out for each layer and checked against the kernel's
 loss before anything is timed.
@@ -285,7 +285,7 @@ BASE = {"L": 128, "d": 128, "B": 2}
 
 def fit(args, device):
     """Cost exponents of diag+trace and frobenius_split in L, d and B."""
-    grids = GRIDS
+    grids = dict(GRIDS, L=[x for x in GRIDS["L"] if x <= args.fit_max_L])
     base = BASE
     for kind in args.fit_kinds.split(","):
         for var, grid in grids.items():
@@ -331,6 +331,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fit-kinds", default="diag,frob,hvp", help="the routines the fit times")
+    ap.add_argument("--fit-max-L", type=int, default=512, help="the largest L of the fit's grid")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
