@@ -239,6 +239,21 @@ def test_compact_tensors_materialised_or_inlined(materialise):
     assert np.allclose(got.reshape(L, d, d), want)
 
 
+def test_a_materialised_compact_is_inlined_where_that_plans_fewer_flops():
+    """A rank-one compact u_a v_e w_x (L³ entries), once formed, is still inlined into a
+    network that contracts it with a matrix (L² flops instead of L³), with the same numbers."""
+    rng = np.random.default_rng(5)
+    L = 9
+    u, v, w, P = rng.standard_normal(L), rng.standard_normal(L), rng.standard_normal(L), rng.standard_normal((L, L))
+    comp = N.Compact("D", [N.net(1.0, "a,e,x->aex", u, v, w)])
+    s = _State()
+    assert np.allclose(comp.array(s), np.einsum("a,e,x->aex", u, v, w)) and comp.materialised
+    n = N.net(1.0, "aex,ex->a|", comp, P)
+    resolved = N.resolve(s, n, (0,))
+    assert all(op.shape != (L, L, L) for m in resolved for op in m.ops)
+    assert np.allclose(N.dense(s, [n], (0,)), u * (v @ P @ w))
+
+
 def _every_method(state, params, v):
     """Every kernel method of a prepared state, as one list of arrays."""
     out = [state.hessian("full"), state.hvp(v, "outer")]

@@ -150,10 +150,9 @@ def _array(state, a, axes):
 
 
 def _compact(state, c, axes, cache):
-    """The compact ``c`` restricted to ``axes`` ({axis: (start, size)}): its array narrowed when
-    materialised, else a compact of its networks narrowed (once per slice, ``cache``)."""
-    if c.materialised:
-        return _array(state, c.array(state), axes)
+    """The compact ``c`` restricted to ``axes`` ({axis: (start, size)}): a compact of its
+    networks narrowed (once per slice, ``cache``), holding its array narrowed when it is
+    materialised (``resolve`` may still inline it where that is cheaper)."""
     key = (id(c), tuple(sorted(axes.items())))
     if key not in cache:
         nets = []
@@ -166,5 +165,7 @@ def _compact(state, c, axes, cache):
                 cut[x] = r
             nets.append(narrowed(state, m, cut, cache))
         cache[key] = N.Compact(c.name, nets)
+        if c.materialised:
+            cache[key].hold(_array(state, c.array(state), axes))
     return cache[key]
 

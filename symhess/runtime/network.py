@@ -187,6 +187,10 @@ class Compact:
             self._array = acc
         return self._array
 
+    def hold(self, array):
+        """Take ``array`` as the materialised tensor (formed elsewhere: a slice of another's)."""
+        self._array = array
+
     def release(self):
         """Forget the materialised array (formed again from the networks if asked for)."""
         self._array = None
@@ -312,11 +316,13 @@ def _expand(state, n, groups, start=0, paired=False, copies=1):
 def _keep(state, n, k, groups, paired=False, copies=1):
     """Whether the compact operand k of ``n`` is materialised rather than inlined: its cost,
     shared by the ``copies`` networks that hold it, plus contracting ``n`` with it, against
-    contracting its networks inlined."""
+    contracting its networks inlined.  A compact already formed (for another network, or as
+    a slice of ``runtime.chunk``) costs nothing more to form, yet is still inlined where its
+    networks contract for fewer flops than its array does."""
     c, sched = n.ops[k], state.schedule
-    if c.materialised:
+    if c.materialised and (sched.materialise != "auto" or paired):
         return True
-    if sched.materialise == "never" or c.entries > sched.compact_limit:
+    if not c.materialised and (sched.materialise == "never" or c.entries > sched.compact_limit):
         return False
     if sched.materialise == "always" or paired:
         return True
