@@ -320,12 +320,11 @@ def _keep(state, n, k, groups, paired=False, copies=1):
     a slice of ``runtime.chunk``) costs nothing more to form, yet is still inlined where its
     networks contract for fewer flops than its array does."""
     c, sched = n.ops[k], state.schedule
-    if c.materialised and (sched.materialise != "auto" or paired):
-        return True
-    if not c.materialised and (sched.materialise == "never" or c.entries > sched.compact_limit):
+    fits = c.materialised or c.entries <= sched.compact_limit
+    if sched.materialise != "auto" or paired:           # no cost comparison
+        return c.materialised or (fits and sched.materialise != "never")
+    if not fits:
         return False
-    if sched.materialise == "always" or paired:
-        return True
     as_array = _flops(state, n, groups) + c.cost(state) / copies
     inlined = sum(_flops(state, inline(n, k, m), groups) for m in c.nets)
     return as_array <= inlined
