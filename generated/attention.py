@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ff5117ba59737c64821f9b38"
+    STAMP = "eb066d67df5a92fa18998e81"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -310,7 +310,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "f15f4b6728c75f0993d93600"
+    STAMP = "c74586a67e09c5fa7e69e1e6"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -596,7 +596,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "bb79f15022fbf149f019bd3c"
+    STAMP = "692e347ae92257e900ccdc41"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -917,7 +917,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2e66cf45166a79cb9100d1e9"
+    STAMP = "9279eaaa2189a553b43cab35"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -1240,4 +1240,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6c7f4532ab6172c80d4b7ae2"
+CHECKSUM = "7d7f4f2e91f9cfa2e2d48606"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "9b9f606445aacb24a8afd712"
+    STAMP = "fd3026933df5bad437bafbc7"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -305,7 +305,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "c1462a8cf349d35a45c67577"
+    STAMP = "9c7cb466cd39dc4ceafc40cb"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -550,7 +550,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "04076439f832eb51484c9586"
+    STAMP = "5e21a3a4f93d066c0e108fc4"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -841,7 +841,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "78c33386e6eb939e140bfeab"
+    STAMP = "3ab077d9aed3c48ef019ad05"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -1119,4 +1119,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "20f7b7651b17d62824d606d9"
+CHECKSUM = "de913a2e9500e71b9c96e4ae"

@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "d2532d5fa32530d37ac70054"
+    STAMP = "e8d9eef47a19e3b40715c66e"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -913,7 +913,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b6557453603024ed2492efc9"
+    STAMP = "72d66e34e51dbb5d164faa9f"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -1802,7 +1802,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "79da2241cdce8b2709bfc888"
+    STAMP = "68095a7e254889e5153bb1b7"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -2704,7 +2704,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "fdf9602283d1e7fc8fe69875"
+    STAMP = "2b0d0bc6c3b483e918d4c4af"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -3608,4 +3608,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "531043fbdd3b7b4f8948702a"
+CHECKSUM = "69efb683729bf8f020463be3"

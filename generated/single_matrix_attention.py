@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "915952b99087557cc2bdacac"
+    STAMP = "0cfd7c1215917fd7da180b03"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "040c5c38ad9713f7f82337aa"
+    STAMP = "63dbcbf73b54d5804ccf0b2b"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "a4f9547bbddd7fc9ad7d47e5"
+    STAMP = "f7fdeef3f4b56bf8d08c03e3"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_20 X': 2,
@@ -663,7 +663,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "eb36fee1cf200638fc9a791f"
+    STAMP = "dd5d61242f26feec4aa276a3"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_20 X': 2,
@@ -896,4 +896,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "0da9f8d9214a8c2c99d9774c"
+CHECKSUM = "2f64f4555d9ba1aec2eb62f2"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "1191215cbe64457bcd01c8a9"
+    STAMP = "08c668e6a74dd86dd1cb359a"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -432,7 +432,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "493c10090701aed0d815b3a1"
+    STAMP = "4afd745d89e12465ec6721ba"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -840,7 +840,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "458845583001ef4bc92a19ae"
+    STAMP = "09d8eee07899182cdc4843b6"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1268,7 +1268,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d901a82f514c63b671527722"
+    STAMP = "6b6795bf9a44a64a1d228622"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1698,4 +1698,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "04891774599509169a5099a9"
+CHECKSUM = "477c119bf4783c2f203b87d0"

@@ -445,3 +445,25 @@ def test_results_are_of_the_backend(dtype):
             assert isinstance(x, kind) and str(x.dtype).endswith(dtype), (backend, what, type(x))
             assert np.ndim(x) == 0, (backend, what)
         assert float(results["zero block"]) == 0.0
+
+
+def test_content_names_follow_the_definitions_and_what_they_read():
+    """One name per definition: equal definitions (after renaming what they read) share a
+    name and are printed once; a changed dependency changes its readers' names."""
+    import re
+    from symhess.codegen.content import by_content
+
+    def named(defs, suffix):
+        own = {n: f"@leaf\ndef {n}(s):\n    return {b}" for n, b in defs}
+        user = "def block(s):\n    return [" + ", ".join("s." + n for n, _ in defs) + "]"
+        out = by_content(list(own.values()) + [user], own, suffix)
+        return out, re.findall(r"s\.(\w+)", out[-1])
+
+    a, (ta, sa, sa2) = named([("t__P", "ones(s.d)"), ("S__P", "mm(s.t__P, s.X)"),
+                              ("S__Px2", "mm(s.t__P, s.X)")], "__P")
+    b, (tb, sb) = named([("t__Q", "ones(s.d)"), ("S__Q", "mm(s.t__Q, s.X)")], "__Q")
+    c, (tc, sc) = named([("t__R", "ones(s.L)"), ("S__R", "mm(s.t__R, s.X)")], "__R")
+    assert sa == sa2 and len(a) == 3                 # equal definitions: one member
+    assert (ta, sa) == (tb, sb)                      # the same content in another part
+    assert tc != tb and sc != sb                     # t differs, so does S, which reads it
+    assert ta.startswith("t__h") and sa.startswith("S__h") and f"def {sa}(s)" in a[1]

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import symhess as sh
 from symhess.errors import DeclarationError, InputError
 from symhess.layers.modules import no_downcasts
+from symhess.runtime.network import Compact
 from flat_params import unflat
 
 B, L, D, HEADS, DFF = 2, 4, 8, 2, 12
@@ -503,3 +504,31 @@ def test_the_docs_list_every_op():
     missing = [n for n in OPS if n != "<built-in function getitem>" and
                f"`{n.split('.')[1]}" not in table and f"`{n.removeprefix('aten.')}`" not in table]
     assert not missing
+
+
+def test_parts_hold_one_array_for_what_they_both_define():
+    """A variant rendered in parts (here 16 declared pieces) names each part's own leaves and
+    compacts by their content: the blocks of two pieces downstream of the same LayerNorm and
+    MLP hold one Compact, formed once, and every diagonal of one pass still equals autograd's."""
+    torch.manual_seed(3)
+    m = nn.TransformerEncoderLayer(D, 1, DFF, dropout=0.0, activation="gelu", batch_first=True,
+                                   norm_first=True).double().eval()
+    x = hidden()
+    ml = sh.from_module(m, (x,))
+    y = torch.randn(tuple(ml.module_forward(x).shape), generator=torch.Generator().manual_seed(4),
+                    dtype=torch.float64)
+    st = sh.kernel(ml.layer, "torch", "mse").prepare(ml.values((x, y)))
+    names = ml.layer.param_names
+
+    def compacts(p):
+        return {id(op): op for n in st.nets(p, p) for op in n.ops if isinstance(op, Compact)}
+
+    bias, weight = (next(p for p in names if p.startswith(f"self_attn_out_proj_{w}")) for w in ("bias", "weight"))
+    shared = compacts(bias).keys() & compacts(weight).keys()
+    assert shared and all(compacts(bias)[k].shape[-1] == D for k in shared)
+    ref = Reference(ml, x, y)
+    off = ml.module_positions()
+    got = st.diagonals()
+    for p in names:
+        want = np.diag(ref.H)[off[p]]
+        assert close(got[p].numpy(), want, np.linalg.norm(want), 1e-4 * np.linalg.norm(ref.H)), p

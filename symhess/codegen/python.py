@@ -35,6 +35,7 @@ from ..errors import DeclarationError
 from ..expr.registry import Registry
 from ..expr.stackwalk import children_first, run_rules
 from ..runtime import chain
+from . import content
 from ..expr.text import short_text
 
 MAX_INLINE = 72        # longer sub-expressions get a name of their own
@@ -57,7 +58,9 @@ class Printer:
     def __init__(self, program, known=None, suffix=""):
         """``known``: {node key: member name} of the leaves of the variant this program is a
         part of (a part rendered on first use reads them instead of recomputing them);
-        ``suffix``: appended to every name this printer makes (parts' names never clash)."""
+        ``suffix``: appended to every name this printer makes; a part's own leaves and
+        compacts are then renamed by their content (``codegen.content``: what two parts both
+        define, a state holds once)."""
         self.prog = program
         self.known = dict(known or {})
         self.suffix = suffix
@@ -295,7 +298,12 @@ class Printer:
         routines = [self._routine(name, exprs, dirs)
                     for name, (exprs, dirs) in self.prog.routines().items()]
         leaves = [_leaf_member(name, text, doc) for name, text, doc in self.leaf_defs]
-        return leaves + comps + blocks + jacs + routines
+        out = leaves + comps + blocks + jacs + routines
+        if not self.suffix:
+            return out
+        own = dict(zip([name for name, _, _ in self.leaf_defs], leaves))
+        own.update(zip([compacts[node] for node in self.prog.compact_order], comps))
+        return content.by_content(out, own, self.suffix)
 
     def leaf_keys(self):
         """{node key: member name} of every leaf printed (for the parts of a variant)."""
