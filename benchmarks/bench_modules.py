@@ -4,7 +4,7 @@ torch.func on the module itself.
     python -m benchmarks.bench_modules [MODULE ...] [--L 128] [--d 128] [--batch 4] [--heads 4]
                                        [--what setup,blocks,hvp,profile,diag] [--rounds 3]
                                        [--probes 100] [--probes-run K] [--diag-budget S]
-                                       [--diag-skip NAME,...]
+                                       [--diag-skip NAME,...] [--no-retain]
 
 MODULE ∈ mha (nn.MultiheadAttention), encoder (nn.TransformerEncoderLayer, pre-LN, GELU),
 gpt2 (GPT2Block), bert (BertLayer), llama (LlamaDecoderLayer, grouped-query attention with
@@ -33,7 +33,8 @@ gpt2 and llama; float64, eval mode, eager attention for transformers' blocks.
   added by the exact pass.
 
 Both sides run in one process, threads pinned to 1, interleaved rounds, minimum
-(``benchmarks.timing``).  Llama's float32 steps are neutralised in the reference
+(``benchmarks.timing``), freed memory kept for reuse (``--no-retain``: glibc's default).
+Llama's float32 steps are neutralised in the reference
 (``symhess.layers.modules.no_downcasts``) so that both compute the same float64 mathematics.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ import symhess as sh
 from symhess.layers.modules import no_downcasts
 from symhess.runtime.cost import counting
 
-from .timing import interleaved
+from .timing import add_memory_option, apply_memory_option, interleaved
 
 MODULES = ("mha", "encoder", "gpt2", "bert", "llama")
 
@@ -283,8 +284,10 @@ def main(argv=None):
     ap.add_argument("--probes-run", type=int, default=0,
                     help="time this many Hutchinson probes and scale to --probes (each probe is "
                          "one jvp(grad); 0: run them all)")
+    add_memory_option(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    print(apply_memory_option(args))
     os.environ.setdefault("SYMHESS_CACHE_DIR", tempfile.mkdtemp(prefix="symhess-bench-"))
     for name in args.modules:
         run(name, args)

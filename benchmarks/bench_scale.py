@@ -4,7 +4,7 @@
                                      [--what hvp,diag,frob,fit]
                                      [--L 512] [--d 512] [--dk 64] [--dff 1024] [--batch 8]
                                      [--loss mse] [--probes 100] [--threads 1] [--device cpu]
-                                     [--fit-kinds diag,frob,hvp] [--fit-max-L 512]
+                                     [--fit-kinds diag,frob,hvp] [--fit-max-L 512] [--no-retain]
 
 Side by side in one process, float64, interleaved rounds (minimum of ``--rounds``):
 
@@ -23,7 +23,9 @@ Side by side in one process, float64, interleaved rounds (minimum of ``--rounds`
   cuts the L grid), measured and of the planned flops (``symhess.runtime.cost``) side by side.
 
 The torch reference forward is written out for each layer and checked against the kernel's
-loss before anything is timed.
+loss before anything is timed.  Freed memory is kept for reuse in the whole process, for both
+sides (``retain_freed_memory``, as ``symhess experiment`` does; ``--no-retain``: glibc's
+default, under which the exact side's large temporaries are page-faulted in afresh each time).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import torch
 from torch.func import grad, jvp, linearize, vjp
 
 import symhess as sh
-from benchmarks.timing import interleaved, synchronize
+from benchmarks.timing import add_memory_option, apply_memory_option, interleaved, synchronize
 from symhess.runtime.cost import counting
 
 
@@ -332,12 +334,14 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fit-kinds", default="diag,frob,hvp", help="the routines the fit times")
     ap.add_argument("--fit-max-L", type=int, default=512, help="the largest L of the fit's grid")
+    add_memory_option(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"{args.layer}, {args.loss}: L={args.L}, d={args.d}, d_K={args.dk}"
           + (f", d_ff={args.dff}" if args.layer != "attention" else "")
-          + f", B={args.batch}, {args.threads} thread(s), {device}, float64")
+          + f", B={args.batch}, {args.threads} thread(s), {device}, float64; "
+          + apply_memory_option(args))
     values, params, names = problem(args.layer, args.L, args.d, args.dk, args.dff, args.batch,
                                     args.loss, device)
     k = sh.kernel(args.layer, "torch", args.loss)

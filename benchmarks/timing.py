@@ -69,3 +69,21 @@ def device_label(device):
         return str(dev)
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     return f"cuda:{idx} ({torch.cuda.get_device_name(idx)})"
+
+
+def add_memory_option(ap):
+    """``--no-retain``: leave glibc's allocator as it is (by default freed memory is kept for
+    reuse, ``symhess.runtime.memory.retain_freed_memory``, for both sides of a comparison)."""
+    ap.add_argument("--no-retain", action="store_true",
+                    help="do not keep freed memory for reuse (glibc mallopt); both sides are "
+                         "measured the same way either way")
+
+
+def apply_memory_option(args):
+    """Apply ``--no-retain`` (``add_memory_option``); a line saying what the process does."""
+    from symhess.runtime.memory import retain_freed_memory
+    if args.no_retain:
+        return "freed memory returned to the system (glibc's default)"
+    return ("freed memory kept for reuse (retain_freed_memory)" if retain_freed_memory()
+            else "freed memory returned to the system (retain_freed_memory does not apply here)")
+

@@ -225,9 +225,11 @@ def cmd_spectrum(args):
     from ..curvature.kernels import kernel
     from ..curvature.operators import operator
     from ..curvature.spectra import density, require_curvlinops, spectrum
+    from ..runtime.memory import retain_freed_memory
 
     if args.density:
         require_curvlinops()            # before any work: the density needs it
+    retain_freed_memory()               # this command owns its process: reuse freed temporaries
     rank, world = D.init_from_env()
     lay = layer_from_args(args)
     sizes = _sizes(args.size)
