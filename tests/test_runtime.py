@@ -306,6 +306,20 @@ def test_counting_reports_planned_flops_and_nothing_outside():
     assert n.flops == 2 * 2 * 3 * 4 + 2 * 2 * 4 * 5
 
 
+def test_counting_blocks_nest():
+    """An inner block (opened while the outer one has counted nothing, so both are equal)
+    counts its own work, the outer one all of it, and each closes as itself."""
+    from symhess.runtime import cost
+    a, b = np.ones((2, 3)), np.ones((3, 4))
+    with cost.counting() as outer:
+        with cost.counting() as inner:
+            np_mm(a, b)
+        np_mm(a, b)
+    assert (inner.flops, outer.flops) == (2 * 2 * 3 * 4, 2 * 2 * 2 * 3 * 4)
+    np_mm(a, b)
+    assert outer.flops == 2 * 2 * 2 * 3 * 4
+
+
 _LIN_SHAPES = [((2, 3, 4),), ((2, 3, 1), (2, 3, 4)), ((2, 1, 4), (2, 3, 1))]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 _ACTIVE: list = []
 
 
-@dataclass
+@dataclass(eq=False)          # counters nest: each is removed as itself, not an equal one
 class Count:
     flops: int = 0
     largest: int = 0
