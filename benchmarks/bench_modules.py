@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import tempfile
 import time
 
@@ -55,7 +54,7 @@ import symhess as sh
 from symhess.layers.modules import no_downcasts
 from symhess.runtime.cost import counting
 
-from .timing import add_memory_option, apply_memory_option, interleaved
+from .timing import add_memory_option, apply_memory_option, interleaved, peak_mb, timed
 
 MODULES = ("mha", "encoder", "gpt2", "bert", "llama")
 
@@ -229,11 +228,7 @@ def diag(ml, k, values, ref, args):
         return
     del st
     s = k.prepare(values)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t = time.perf_counter()
-    s.diagonals(params=names)
-    exact = time.perf_counter() - t
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    (_, exact), peak = peak_mb(lambda: timed(lambda: s.diagonals(params=names)))
     del s
     g = torch.Generator().manual_seed(0)
     run_k = min(args.probes_run or args.probes, args.probes)

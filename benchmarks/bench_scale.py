@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import resource
-import time
 
 import numpy as np
 import torch
 from torch.func import grad, jvp, linearize, vjp
 
 import symhess as sh
-from benchmarks.timing import add_memory_option, apply_memory_option, interleaved, synchronize
+from benchmarks.timing import add_memory_option, apply_memory_option, interleaved, peak_mb, timed
 from symhess.runtime.cost import counting
 
 
@@ -177,14 +175,6 @@ def rademacher(params, only=None, seed=0):
 
 
 # ----------------------------------------------------------------------------- measurements
-def peak_mb(fn):
-    """(result, MB of peak RSS growth) — meaningful when the call sets a new peak."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = fn()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return out, (after - before) / 1024
-
-
 def bench_hvp(k, values, ag, rounds, device):
     st = k.prepare(values)
     n = sum(st.numel(p) for p in st.PARAMS)
@@ -271,14 +261,6 @@ def bench_frob(k, values, ag, probes, device):
     print(f"  exact frobenius_split of {len(ex)} blocks {t_ex:.2f} s (peak +{mb_ex:.0f} MB)  vs "
           f"{probes}-probe Hutchinson {t_hu:.2f} s → {t_hu / t_ex:.1f}×  (estimate's worst error "
           f"{worst:.1%})")
-
-
-def timed(fn, device):
-    synchronize(device)
-    t = time.perf_counter()
-    out = fn()
-    synchronize(device)
-    return out, time.perf_counter() - t
 
 
 GRIDS = {"L": [64, 128, 256, 512], "d": [64, 128, 256], "B": [1, 2, 4, 8]}

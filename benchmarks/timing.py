@@ -1,6 +1,7 @@
 """Timing on CPU or a CUDA device: the clock is read only after the device has finished."""
 from __future__ import annotations
 
+import resource
 import time
 
 import torch
@@ -62,6 +63,14 @@ def timed(fn, device="cpu"):
     return out, time.perf_counter() - t
 
 
+def peak_mb(fn):
+    """(result, MB of peak RSS growth) — meaningful when the call sets a new peak."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = fn()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return out, (after - before) / 1024
+
+
 def device_label(device):
     """'cuda:0 (NVIDIA H200)' or 'cpu'."""
     dev = torch.device(device)
@@ -86,4 +95,3 @@ def apply_memory_option(args):
         return "freed memory returned to the system (glibc's default)"
     return ("freed memory kept for reuse (retain_freed_memory)" if retain_freed_memory()
             else "freed memory returned to the system (retain_freed_memory does not apply here)")
-

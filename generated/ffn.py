@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "b58d2c1942f10ab3902d81fd"
+    STAMP = "70a3a5678a55ef466c78aaeb"
 
     @leaf
     def H(s):
@@ -157,7 +157,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "447b750e66f27f89254e27c2"
+    STAMP = "7267b6f9e5f81686f11eeee8"
 
     @leaf
     def H(s):
@@ -310,4 +310,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "8daf4fcb6d7c905fc1674de8"
+CHECKSUM = "d65056a2b67d1deb61a10eed"

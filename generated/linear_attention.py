@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "fd3026933df5bad437bafbc7"
+    STAMP = "64d2bf44d426615b62f73c20"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -305,7 +305,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "9c7cb466cd39dc4ceafc40cb"
+    STAMP = "bb42b4872f699ead09409184"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -550,7 +550,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "5e21a3a4f93d066c0e108fc4"
+    STAMP = "7674152790ec060ece8a5dfd"
     RUNS = {
         "@V_W_K W_Q'": 2,
         "@V_W_K W_Q' X'": 2,
@@ -841,7 +841,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "3ab077d9aed3c48ef019ad05"
+    STAMP = "00090ec4f1f3148b39ed4b1e"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_Q' X'": 2,
@@ -1119,4 +1119,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "de913a2e9500e71b9c96e4ae"
+CHECKSUM = "e2571bce35cb7ec3a586228d"

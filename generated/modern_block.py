@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "2ca99166ae4539c4cf7c8221"
+    STAMP = "1dd4f415d8139e6e04ccfbe5"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_156'": 2,
@@ -1844,7 +1844,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "78697539e42bf54a6eec8d88"
+    STAMP = "18aae2fc26a99c14854c6418"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_156'": 2,
@@ -3664,7 +3664,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "a094d5ab3a6dfc6a363f426a"
+    STAMP = "6a94636116ab4d89a42d9626"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_159'": 2,
@@ -5446,7 +5446,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "4d0487614d84fa33bad7fa65"
+    STAMP = "9990ee855d1d5e0a091360fe"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_159'": 2,
@@ -7230,4 +7230,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "1a0718a65480269e479e26c3"
+CHECKSUM = "9236963475278c574aafcc44"

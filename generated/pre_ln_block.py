@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "e8d9eef47a19e3b40715c66e"
+    STAMP = "99ef8546518ecaeda7b34aff"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -913,7 +913,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "72d66e34e51dbb5d164faa9f"
+    STAMP = "a99a4079be2649db2c42918c"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -1802,7 +1802,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "68095a7e254889e5153bb1b7"
+    STAMP = "394c810682134f62cf27bd36"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -2704,7 +2704,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "2b0d0bc6c3b483e918d4c4af"
+    STAMP = "dd29ede02b6c73964069691b"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_Q' N_1'": 2,
@@ -3608,4 +3608,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "69efb683729bf8f020463be3"
+CHECKSUM = "34c6d14cdff7b1bd9c022b01"

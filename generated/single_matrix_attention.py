@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "0cfd7c1215917fd7da180b03"
+    STAMP = "3ce3c38aa2dd89bc5c3d76c9"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "63dbcbf73b54d5804ccf0b2b"
+    STAMP = "a926cc123d088307cd18482e"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_19 X': 2,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "f7fdeef3f4b56bf8d08c03e3"
+    STAMP = "3f0c4d7d1ba268133cd8e0fb"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_20 X': 2,
@@ -663,7 +663,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "dd5d61242f26feec4aa276a3"
+    STAMP = "a2fe6310b9bc9dd837e43e48"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_20 X': 2,
@@ -896,4 +896,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "2f64f4555d9ba1aec2eb62f2"
+CHECKSUM = "58501a0111c24f154dd8df93"

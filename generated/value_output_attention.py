@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "08c668e6a74dd86dd1cb359a"
+    STAMP = "be28bb65d5c02498a8e3c90d"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -432,7 +432,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "4afd745d89e12465ec6721ba"
+    STAMP = "19f94903669377d6ab37e1ec"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -840,7 +840,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "09d8eee07899182cdc4843b6"
+    STAMP = "6f80485cadf78efc522ea417"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1268,7 +1268,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "6b6795bf9a44a64a1d228622"
+    STAMP = "30d0bd44bf07b8563627f41f"
     RUNS = {
         "@V_W_K' X'": 2,
         "@V_W_O G_2'": 2,
@@ -1698,4 +1698,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "477c119bf4783c2f203b87d0"
+CHECKSUM = "e37dce6d5326775199388cf3"

@@ -35,8 +35,8 @@ from ..errors import DeclarationError
 from ..expr.registry import Registry
 from ..expr.stackwalk import children_first, run_rules
 from ..runtime import chain
-from . import content
 from ..expr.text import short_text
+from . import content
 
 MAX_INLINE = 72        # longer sub-expressions get a name of their own
 BATCH = "n"            # the batch label of printed network specs

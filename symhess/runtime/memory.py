@@ -8,9 +8,9 @@ in the paper-configuration sweep that was 70 M page faults and 40 % of the CPU t
 instead, so later temporaries reuse pages that are already mapped.
 
 This changes the whole process, so the library never calls it on its own. The
-``symhess experiment`` and ``symhess spectrum`` commands do, since they own their process. Call it from an experiment
-script of your own the same way. Where it does not apply (not glibc, not Linux), it does
-nothing and returns False.
+``symhess experiment`` and ``symhess spectrum`` commands do, since they own their
+process. Call it from an experiment script of your own the same way. Where it does not
+apply (not glibc, not Linux), it does nothing and returns False.
 """
 from __future__ import annotations
 
