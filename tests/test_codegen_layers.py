@@ -8,6 +8,7 @@ import torch
 import symhess as sh
 from symhess.codegen import render as codegen
 from symhess.layers.registry import LAYERS
+from symhess.runtime import contract
 from symhess.calculus.verify import autograd_blocks, random_values
 
 COMMITTED = sorted(n for n in LAYERS if n not in codegen.ON_DEMAND)
@@ -33,6 +34,20 @@ HEAVY = {"multihead_attention", "post_ln_block", "pre_ln_block", "value_output_a
     pytest.param(n, b, marks=pytest.mark.slow if (b == "torch" and n in HEAVY) else (), id=f"{n}-{b}")
     for n in COMMITTED for b in ("numpy", "torch")])
 def test_layer_kernels_match_autograd(name, backend):
+    _check_layer(name, backend)
+
+
+@pytest.mark.parametrize("name,backend", [("modern_block", "numpy"), ("attention", "torch"),
+                                          pytest.param("post_ln_block", "numpy", marks=pytest.mark.slow)])
+def test_triangle_loops_match_autograd(name, backend, monkeypatch):
+    """Every outer product that the next step multiplies by a third operand and sums over one
+    label (the rotary key factors with ∂A/∂T, attention's key blocks) runs as one loop over
+    that label at these small sizes too (``TRIANGLE_MIN`` at 1): autograd's numbers."""
+    monkeypatch.setattr(contract, "TRIANGLE_MIN", 1)
+    _check_layer(name, backend)
+
+
+def _check_layer(name, backend):
     d = sh.derive(sh.layer(name), "mse")
     values = random_values(d, seed=3)
     ref = autograd_blocks(d, values)

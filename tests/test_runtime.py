@@ -451,3 +451,43 @@ def test_token_form_pairings_against_autograd(name):
     if name == "attention":
         assert all(gram.token_form(state, m) is not None for n in state.nets("W_K", "W_K", "outer")
                    for m in N.resolve(state, n, (0, 1), paired=True))
+
+
+@given(networks(), st.sampled_from([None, 3, 10 ** 6]))
+@example(([3, 4, 5], [(0, 1, 2), (0, 1), (0, 2)], (1, 2), 0), None)     # Σ_e P[e,l,k] Q[e,l] R[e,k]
+@example(([3, 4, 5, 2], [(0, 1, 3), (0, 2, 3), (0, 1, 2)], (3, 1, 2), 1), None)   # the triangle
+@example(([1, 1, 1, 2], [(0, 3), (3,), (3, 0), (1,)], (0,), 0), None)   # a label in two of three
+def test_triangle_steps_match_einsum(net, limit):
+    """Every outer product followed by a step that sums one label runs as one loop over that
+    label (``TRIANGLE_MIN`` at 1): the numbers are einsum's, on both backends."""
+    sizes, ops, out, seed = net
+    arrays = _arrays(sizes, ops, seed)
+    want = _einsum(arrays, ops, out)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(C, "TRIANGLE_MIN", 1)
+        got = C.contract(NP, arrays, ops, out, limit, dict(enumerate(sizes)))
+        got_t = C.contract(TORCH, [torch.from_numpy(a) for a in arrays], ops, out, limit,
+                           dict(enumerate(sizes)))
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert np.allclose(got_t.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_triangle_contraction_at_size_forms_nothing_larger_than_its_result():
+    """P[e,l,k] Q[e,m,k] R[e,l,m] summed over e at L = 64: einsum's numbers, with a peak
+    allocation well under the outer product P Q (|e| times the result) that two pairwise
+    steps would write."""
+    rng = np.random.default_rng(0)
+    e, l, m, k = 64, 64, 64, 16
+    P, Q, R = (torch.from_numpy(rng.standard_normal(s)) for s in ((e, l, k), (e, m, k), (e, l, m)))
+    sizes = {0: e, 1: l, 2: m, 3: k}
+    import tracemalloc
+    Pn, Qn, Rn = P.numpy(), Q.numpy(), R.numpy()
+    tracemalloc.start()
+    got = C.contract(NP, [Pn, Qn, Rn], [(0, 1, 3), (0, 2, 3), (0, 1, 2)], (1, 2, 3), None, sizes)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    want = np.einsum("elk,emk,elm->lmk", Pn, Qn, Rn)
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
+    got_t = C.contract(TORCH, [P, Q, R], [(0, 1, 3), (0, 2, 3), (0, 1, 2)], (1, 2, 3), None, sizes)
+    assert np.allclose(got_t.numpy(), want, rtol=1e-12, atol=1e-12)
+    assert peak < 8 * e * l * m * k / 4          # the outer product alone: 8 e l m k bytes

@@ -24,6 +24,10 @@ the result and broadcast by the caller).  Labels are small integers.
 * **execute** — each pairwise step is one batched matrix product: labels only one side
   carries are summed first, shared labels still needed later are batch axes, the other
   shared labels the inner dimension; a step with no inner dimension is a broadcast product.
+  A *triangle* — an outer product that the next step multiplies by an operand with no label
+  of its own and sums over one label e (the rotary key factors met by ∂A/∂T) — has no
+  matrix-product form; it runs as one loop over e that accumulates into the result
+  (``_triangle``), instead of writing the outer product, |e| times the result, to memory.
 
 Cost: the planned flop count (opt_einsum's, about 2·Π sizes per product) is ``Plan.flops``;
 the peak memory of a step is its operands plus its result.
@@ -53,6 +57,8 @@ DP_MAX = 16
 RANDOM_REPEATS = 64
 # the floor of slicing: one contraction is cut into at most this many pieces
 MAX_SLICES = 1024
+# the least result (entries) for which a triangle contraction loops over its summed label
+TRIANGLE_MIN = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -279,9 +285,19 @@ def execute(ops, arrays, labels, out, path):
     arrays, labels = list(arrays), [tuple(ls) for ls in labels]
     hints = _next_inner(labels, out, path)
     owned = [False] * len(arrays)          # results of earlier steps may be overwritten
+    fused = set()
     for si, step in enumerate(path):
+        if si in fused:
+            continue
         taken = [(arrays.pop(i), labels.pop(i), owned.pop(i)) for i in sorted(step, reverse=True)]
         needed = set(out).union(*labels)
+        triple = _triangle(ops, taken, arrays, labels, out, path, si, needed)
+        if triple is not None:
+            fused.add(si + 1)
+            arrays.append(triple[0])
+            labels.append(triple[1])
+            owned.append(True)
+            continue
         a, la, mine = taken[0]
         if len(taken) == 1:
             a, la = _reduce(ops, a, la, needed)
@@ -298,6 +314,63 @@ def execute(ops, arrays, labels, out, path):
     if la != tuple(out):
         a = ops.transpose(a, [la.index(x) for x in out])
     return a
+
+
+def _triangle(ops, taken, arrays, labels, out, path, si, needed):
+    """Steps ``si`` and ``si + 1`` as one, when ``si`` is an outer product (no label summed,
+    each operand with labels of its own, so it is larger than both) whose result the next step multiplies by a third operand c carrying no label of its own
+    and sums over one label e: Σ_e a b c, the *triangle* contraction (P[e,l,k] Q[e,m,k]
+    R[e,l,m] — each pair of operands shares a label the third lacks, so it has no
+    matrix-product form).  Run as two steps, it writes the outer product a b (|e| times the
+    result), then multiplies and sums it at memory speed; here the operands are laid out
+    alike once and the result is accumulated one entry of e at a time, ``result += (a_e ∘
+    c_e) ∘ b_e`` (the pair with the smaller product first): the same 2 |e| Π(result) flops,
+    no intermediate larger than the result.  (result, labels) or None when the pattern does
+    not hold (a c with labels of its own makes the second step a matrix product) or the
+    result is too small for a loop over e to pay (``TRIANGLE_MIN``)."""
+    if len(taken) != 2 or si + 1 >= len(path) or len(path[si + 1]) != 2:
+        return None
+    position = len(arrays)                         # where the outer product would go
+    if position not in path[si + 1]:
+        return None
+    (a, la, _), (b, lb, _) = taken
+    a, la = _reduce(ops, a, la, needed | set(lb))
+    b, lb = _reduce(ops, b, lb, needed | set(la))
+    if set(la) & set(lb) - needed or set(la) <= set(lb) or set(lb) <= set(la):
+        return None                                # a summed label, or a scaling: no blow-up
+    other = [i for i in path[si + 1] if i != position][0]
+    c, lc = arrays[other], labels[other]
+    rest = [ls for i, ls in enumerate(labels) if i != other]
+    needed2 = set(out).union(*rest)
+    ab = list(dict.fromkeys(la + lb))
+    c, lc = _reduce(ops, c, lc, needed2 | set(ab))
+    summed = [x for x in ab if x in lc and x not in needed2]
+    if len(summed) != 1 or any(x not in needed2 and x not in lc for x in ab) \
+            or not set(lc) <= set(ab):             # c with labels of its own: a GEMM step
+        return None
+    (e,) = summed
+    sizes = {**dict(zip(la, ops.shape(a))), **dict(zip(lb, ops.shape(b))),
+             **dict(zip(lc, ops.shape(c)))}
+    big = max(((a, la), (b, lb), (c, lc)), key=lambda t: math.prod(ops.shape(t[0])))[1]
+    order = [x for x in dict.fromkeys(list(big) + ab + list(lc)) if x != e]
+    if sizes[e] < 2 or math.prod(sizes[x] for x in order) < TRIANGLE_MIN:
+        return None
+    arrays.pop(other)
+    labels.pop(other)
+    lay = [e] + order
+    laid = []
+    for x, lx in ((a, la), (b, lb), (c, lc)):      # laid out alike: e first, then ``order``
+        ly = [y for y in lay if y in lx]
+        laid.append((ops.contiguous(_perm(ops, x, lx, ly)), ly))
+    # the pair whose product is smallest first; the third multiplies into the result
+    splits = [((laid[i], laid[j]), laid[3 - i - j]) for i, j in ((0, 1), (0, 2), (1, 2))]
+    pair, last = min(splits, key=lambda t: math.prod(sizes[x] for x in set(t[0][0][1]) | set(t[0][1][1])))
+    result = ops.zeros([sizes[x] for x in order], like=a)
+    view = ops.reshape(result, [1] + [sizes[x] for x in order])
+    for i in range(sizes[e]):
+        x, y, z = (aligned(ops, _narrow(ops, t, lt, e, i, 1), lt, lay) for t, lt in (*pair, last))
+        ops.add_product(view, ops.product(x, y), z, 1.0)
+    return result, tuple(order)
 
 
 def _next_inner(labels, out, path):

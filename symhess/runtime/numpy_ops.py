@@ -254,6 +254,11 @@ class _Ops:
         return np.array(a, copy=True)
 
     @staticmethod
+    def contiguous(a):
+        """``a`` laid out in the order of its axes (a copy unless it is)."""
+        return np.ascontiguousarray(a)
+
+    @staticmethod
     def sum(a, axes):
         return a.sum(axis=tuple(axes))
 

@@ -316,6 +316,11 @@ class _Ops:
         return a.clone()
 
     @staticmethod
+    def contiguous(a):
+        """``a`` laid out in the order of its axes (a copy unless it is)."""
+        return a.contiguous()
+
+    @staticmethod
     def sum(a, axes):
         return a.sum(dim=tuple(axes))
 
