@@ -459,12 +459,14 @@ def test_token_form_pairings_against_autograd(name):
 @example(([1, 1, 1, 2], [(0, 3), (3,), (3, 0), (1,)], (0,), 0), None)   # a label in two of three
 def test_triangle_steps_match_einsum(net, limit):
     """Every outer product followed by a step that sums one label runs as one loop over that
-    label (``TRIANGLE_MIN`` at 1): the numbers are einsum's, on both backends."""
+    label (``TRIANGLE_MIN`` at 1), in tiles of one entry of the result's first label
+    (``TRIANGLE_TILE`` at 1): the numbers are einsum's, on both backends."""
     sizes, ops, out, seed = net
     arrays = _arrays(sizes, ops, seed)
     want = _einsum(arrays, ops, out)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(C, "TRIANGLE_MIN", 1)
+        mp.setattr(C, "TRIANGLE_TILE", 1)
         got = C.contract(NP, arrays, ops, out, limit, dict(enumerate(sizes)))
         got_t = C.contract(TORCH, [torch.from_numpy(a) for a in arrays], ops, out, limit,
                            dict(enumerate(sizes)))

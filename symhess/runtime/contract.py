@@ -59,6 +59,8 @@ RANDOM_REPEATS = 64
 MAX_SLICES = 1024
 # the least result (entries) for which a triangle contraction loops over its summed label
 TRIANGLE_MIN = 1 << 12
+# the entries of the result tile a triangle accumulates into at a time (256 KB in float64)
+TRIANGLE_TILE = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -367,9 +369,19 @@ def _triangle(ops, taken, arrays, labels, out, path, si, needed):
     pair, last = min(splits, key=lambda t: math.prod(sizes[x] for x in set(t[0][0][1]) | set(t[0][1][1])))
     result = ops.zeros([sizes[x] for x in order], like=a)
     view = ops.reshape(result, [1] + [sizes[x] for x in order])
-    for i in range(sizes[e]):
-        x, y, z = (aligned(ops, _narrow(ops, t, lt, e, i, 1), lt, lay) for t, lt in (*pair, last))
-        ops.add_product(view, ops.product(x, y), z, 1.0)
+    # tiles along the outermost label of the result (of size above one), each small enough
+    # to stay in cache while every entry of e is added into it
+    at = next((j for j, x in enumerate(order) if sizes[x] > 1), 0)
+    first, inner = order[at], math.prod(sizes[x] for x in order[at + 1:])
+    step = max(1, TRIANGLE_TILE // inner)
+    for start in range(0, sizes[first], step):
+        n = min(step, sizes[first] - start)
+        tile = _narrow(ops, view, lay, first, start, n)[0]
+        x, y, z = (aligned(ops, _narrow(ops, t, lt, first, start, n), lt, lay)
+                   for t, lt in (*pair, last))
+        for i in range(sizes[e]):          # entry i of e, or the one entry of an operand without e
+            ops.add_product(tile, ops.product(x[min(i, len(x) - 1)], y[min(i, len(y) - 1)]),
+                            z[min(i, len(z) - 1)], 1.0)
     return result, tuple(order)
 
 
