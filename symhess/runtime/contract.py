@@ -369,11 +369,12 @@ def _triangle(ops, taken, arrays, labels, out, path, si, needed):
     pair, last = min(splits, key=lambda t: math.prod(sizes[x] for x in set(t[0][0][1]) | set(t[0][1][1])))
     result = ops.zeros([sizes[x] for x in order], like=a)
     view = ops.reshape(result, [1] + [sizes[x] for x in order])
-    # tiles along the outermost label of the result (of size above one), each small enough
-    # to stay in cache while every entry of e is added into it
+    # on the host, tiles along the outermost label of the result (of size above one), each
+    # small enough to stay in cache while every entry of e is added into it; on a device,
+    # one tile (its kernels are launched per tile and entry of e)
     at = next((j for j, x in enumerate(order) if sizes[x] > 1), 0)
     first, inner = order[at], math.prod(sizes[x] for x in order[at + 1:])
-    step = max(1, TRIANGLE_TILE // inner)
+    step = max(1, TRIANGLE_TILE // inner) if ops.on_host(a) else sizes[first]
     for start in range(0, sizes[first], step):
         n = min(step, sizes[first] - start)
         tile = _narrow(ops, view, lay, first, start, n)[0]
@@ -457,6 +458,10 @@ def pairwise(ops, a, la, b, lb, keep, then=(), a_owned=False, b_owned=False):
         if inner:
             r = ops.sum(r, [order.index(x) for x in inner])
         return r, tuple(x for x in order if x not in inner)
+    if inner and not big_fits:
+        promoted = _promoted(ops, a, la, b, lb, batch, left, right, inner, sa, sb, na >= nb_)
+        if promoted is not None:
+            return promoted
     if then and not fa:
         left = [x for x in left if x in then] + [x for x in left if x not in then]
     if then and not fb:
@@ -480,6 +485,44 @@ def pairwise(ops, a, la, b, lb, keep, then=(), a_owned=False, b_owned=False):
         r, out = ops.matmul(x, y), batch + left + right
     sizes = {**sa, **sb}
     return ops.reshape(r, [sizes[x] for x in out]), tuple(out)
+
+
+def _promoted(ops, a, la, b, lb, batch, left, right, inner, sa, sb, a_big):
+    """The product with some of the larger operand's own labels made batch axes, when that
+    lets it enter as a view: X[n, i, k, j] (k summed) is a stack over (n, i) of k × j
+    matrices, and the smaller operand, which lacks i, is repeated along it.  Taken when the
+    repeated copy of the smaller operand is smaller than the larger one's permuted copy
+    (in a sliced contraction the larger one would otherwise be copied again in every
+    slice).  (result, labels) or None."""
+    lx, own, sx = (la, left, sa) if a_big else (lb, right, sb)
+    for cut in range(len(lx) + 1):
+        pre, post = list(lx[:cut]), list(lx[cut:])
+        if set(pre) & set(inner):
+            return None
+        rows = [x for x in post if x not in inner]
+        if not set(batch) <= set(pre) or not (post == rows + inner or post == inner + rows):
+            continue
+        moved = [x for x in pre if x not in batch]
+        small = math.prod(ops.shape(b if a_big else a))
+        if not moved or small * math.prod(sx[x] for x in moved) >= math.prod(ops.shape(a if a_big else b)):
+            return None
+        sizes = {**sa, **sb}
+        nb, k = math.prod(sizes[x] for x in pre), math.prod(sizes[x] for x in inner)
+        if a_big:
+            m, n = math.prod(sizes[x] for x in rows), math.prod(sizes[x] for x in right)
+            x = _matrix(ops, a, la, pre, rows, inner, (nb, m, k))
+            order = pre + inner + right
+            y = ops.reshape(ops.expand(aligned(ops, b, lb, order), [sizes[z] for z in order]), (nb, k, n))
+            out = pre + rows + right
+        else:
+            m, n = math.prod(sizes[x] for x in left), math.prod(sizes[x] for x in rows)
+            y = _matrix(ops, b, lb, pre, inner, rows, (nb, k, n))
+            order = pre + left + inner
+            x = ops.reshape(ops.expand(aligned(ops, a, la, order), [sizes[z] for z in order]), (nb, m, k))
+            out = pre + left + rows
+        r = ops.matmul(x, y)
+        return ops.reshape(r, [sizes[z] for z in out]), tuple(out)
+    return None
 
 
 def _fit(labels, batch, rows, inner):

@@ -254,6 +254,16 @@ class _Ops:
         return np.array(a, copy=True)
 
     @staticmethod
+    def on_host(a):
+        """Whether ``a`` lives in host memory (work is tiled for the CPU's caches there)."""
+        return True
+
+    @staticmethod
+    def expand(a, shape):
+        """``a`` repeated along its size-one axes to ``shape`` (a view)."""
+        return np.broadcast_to(a, tuple(shape))
+
+    @staticmethod
     def contiguous(a):
         """``a`` laid out in the order of its axes (a copy unless it is)."""
         return np.ascontiguousarray(a)

@@ -316,6 +316,16 @@ class _Ops:
         return a.clone()
 
     @staticmethod
+    def on_host(a):
+        """Whether ``a`` lives in host memory (work is tiled for the CPU's caches there)."""
+        return a.device.type == "cpu"
+
+    @staticmethod
+    def expand(a, shape):
+        """``a`` repeated along its size-one axes to ``shape`` (a view)."""
+        return a.expand(*shape)
+
+    @staticmethod
     def contiguous(a):
         """``a`` laid out in the order of its axes (a copy unless it is)."""
         return a.contiguous()
