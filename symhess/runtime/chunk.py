@@ -164,7 +164,7 @@ def _compact(state, c, axes, cache):
                     raise RuntimeError(f"compact {c.name}: one label cut at two ranges")
                 cut[x] = r
             nets.append(narrowed(state, m, cut, cache))
-        cache[key] = N.Compact(c.name, nets)
+        cache[key] = N.Compact(c.name, nets, c.users)
         if c.materialised:
             cache[key].hold(_array(state, c.array(state), axes))
     return cache[key]

@@ -159,10 +159,11 @@ class Compact:
     """A tensor defined as a sum of networks over one output group (its axes), e.g. the
     per-token second moments M_2 as an (n, L, d, d) array.  ``array(state)`` materialises it
     once; ``resolve`` inlines its networks instead where that is cheaper at the call's sizes
-    or the tensor would not fit the budget."""
+    or the tensor would not fit the budget.  ``users``: how many networks of a reduction
+    hold it (its formation is priced once for all of them)."""
 
-    def __init__(self, name, nets):
-        self.name, self.nets = name, list(nets)
+    def __init__(self, name, nets, users=1):
+        self.name, self.nets, self.users = name, list(nets), users
         first = self.nets[0]
         self.shape = tuple(first.sizes[x] for x in first.groups[0])
         self._array = None
@@ -250,7 +251,8 @@ def resolve(state, n, groups, paired=False):
         flat = _inlined(n, JOINT_MAX)
         if flat is not None and len(flat) > len(nets):
             kept = {id(op): op for m in nets for op in m.ops if isinstance(op, Compact)}
-            chosen = sum(_flops(state, m, groups) for m in nets) + sum(c.cost(state) for c in kept.values())
+            chosen = sum(_flops(state, m, groups) for m in nets) + \
+                sum(c.cost(state) / c.users for c in kept.values())
             if _cheaper(state, flat, groups, chosen):
                 nets = flat
     return [_materialised(state, m) for m in nets]
@@ -267,7 +269,7 @@ def inlining_pays(state, n, groups, compacts):
     flat = _inlined(n, JOINT_MAX)
     if flat is None:
         return False
-    formed = _flops(state, n, groups) + sum(c.cost(state) for c in compacts)
+    formed = _flops(state, n, groups) + sum(c.cost(state) / c.users for c in compacts)
     return _cheaper(state, flat, groups, formed)
 
 
@@ -325,7 +327,7 @@ def _keep(state, n, k, groups, paired=False, copies=1):
         return c.materialised or (fits and sched.materialise != "never")
     if not fits:
         return False
-    as_array = _flops(state, n, groups) + c.cost(state) / copies
+    as_array = _flops(state, n, groups) + c.cost(state) / (copies * c.users)
     inlined = sum(_flops(state, inline(n, k, m), groups) for m in c.nets)
     return as_array <= inlined
 

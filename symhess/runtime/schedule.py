@@ -13,9 +13,11 @@
   materialises every one that fits the budget; ``"never"`` inlines them all.
 * ``mirror`` — a dense Hessian's blocks below the diagonal are copied from the transposed
   blocks above it (``False``: computed from their own networks).
+* ``collect`` — a diagonal's networks that differ only in a sub-network are contracted once
+  over a compact of their sum (``runtime.collect``; ``False``: each on its own).
 
 ``Schedule.plain()`` is the switch: no cost comparisons (compacts materialised when they fit),
-no mirrored blocks.  The results agree with the default schedule to rounding; the
+no mirrored blocks, no collected networks.  The results agree with the default schedule to rounding; the
 environment variable ``SYMHESS_SCHEDULE=plain`` selects it for a whole process.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Schedule:
     itemsize: int = 8
     materialise: str = "auto"
     mirror: bool = True
+    collect: bool = True
 
     def __post_init__(self):
         if self.materialise not in MATERIALISE:
@@ -66,7 +69,7 @@ class Schedule:
 
     @classmethod
     def plain(cls, **kw) -> "Schedule":
-        return cls(materialise="always", mirror=False, **kw)
+        return cls(materialise="always", mirror=False, collect=False, **kw)
 
     @classmethod
     def default(cls, memory_budget=None, itemsize=8, device=None) -> "Schedule":

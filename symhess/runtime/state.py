@@ -28,7 +28,7 @@ import functools
 import math
 from functools import cached_property
 
-from . import chain, checks, chunk, gram
+from . import chain, checks, chunk, collect, gram
 from . import network as N
 from ..errors import InputError, UnknownNameError
 
@@ -246,10 +246,14 @@ class Forward:
         Cost: each parameter's ``diag``, except that a per-token compact too large to keep
         (``runtime.chunk``: a full block's LayerNorm and MLP Jacobians, B L d² entries) is
         formed once per slice for every parameter whose networks hold it, not once per
-        parameter: the attention weights' diagonals of a post-LN block share all of theirs."""
+        parameter: the attention weights' diagonals of a post-LN block share all of theirs;
+        and networks that differ only in a sub-network are contracted once over the sum of
+        those sub-networks (``runtime.collect``: the modern block's H_o(W_K, W_K), 16 networks
+        of two heads and the middles of (I + J)ᵀ(I + J), contracts 4 over one per-token sum)."""
         _part(part)
         params = self.PARAMS if params is None else tuple(self._param(p) for p in params)
-        nets = {p: [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)] for p in params}
+        nets = {p: collect.collected(self, [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)],
+                                     (0,)) for p in params}
         out = chunk.dense_each(self, nets, groups=(0,))
         for p in params:
             if p not in out:
@@ -262,7 +266,7 @@ class Forward:
         known = self._diag_sums.get((p, part))
         if known is not None:
             return known
-        nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
+        nets = collect.collected(self, [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)], (0,))
         return N.scalar(self, [N.closed(n) for n in nets])
 
     def frobenius_norm(self, p, q, part="full"):
