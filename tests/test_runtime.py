@@ -269,8 +269,8 @@ def _every_method(state, params, v):
                                   pytest.param("multihead_attention", marks=pytest.mark.slow), "ffn"])
 def test_every_tunable_off_gives_the_same_numbers(name, monkeypatch):
     """SYMHESS_SCHEDULE=plain (no cost comparisons, no mirrored blocks, no collected
-    networks) and a memory budget
-    small enough to slice contractions give the default schedule's numbers to 1e-12."""
+    networks) and a memory budget small enough to slice contractions give the default
+    schedule's numbers to 1e-12."""
     import symhess as sh
     from symhess.calculus.verify import random_values
     d = sh.derive(sh.layer(name), "mse")

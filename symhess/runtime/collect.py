@@ -46,7 +46,7 @@ def collected(state, nets, groups):
     but for a sub-network replaced by one network over a compact of their sums (module
     docstring).  The result reduces to the same sum; ``nets`` as they are when the schedule
     says not to collect (``Schedule.collect``)."""
-    if not state.schedule.collect or len(nets) < 2:
+    if not state.schedule.collect or len(nets) < MIN_FAMILY:
         return list(nets)
     order = sorted(range(len(nets)), key=lambda i: -len(nets[i].ops))
     families = []                      # [reference, [(member, alignment or None), ...]]
@@ -90,16 +90,13 @@ def _key(k):
 def _joined(families, n):
     """Add ``n`` to the family it aligns with best (``_aligned``'s score) among those whose
     shared operands it all aligns with, else among those whose shared operands carrying
-    outputs it aligns with (the others then move into
-    the compact), as long as the compact stays ``_bounded``; whether it was added."""
+    outputs it aligns with (the others then move into the compact), as long as the compact
+    stays ``_bounded``; whether it was added."""
     matches = [(fam, _aligned(fam[0], n)) for fam in families]
     matches = sorted((fm for fm in matches if fm[1] is not None), key=lambda fm: fm[1][2], reverse=True)
     for strict in (True, False):
         for fam, match in matches:
-            if match is None:
-                continue
-            shared = set(_shared(fam[1])) if len(fam[1]) > 1 else set()
-            if strict and not shared <= {i for i, _ in match[0]}:
+            if strict and not set(_shared(fam[1])) <= {i for i, _ in match[0]}:
                 continue
             if not strict and not _keeps_outputs(fam[0], fam[1], match):
                 continue
@@ -110,7 +107,8 @@ def _joined(families, n):
 
 
 def _shared(members):
-    """The positions of the reference's operands that every member is aligned with."""
+    """The positions of the reference's operands that every member is aligned with (none for
+    a family of the reference alone)."""
     out = None
     for _, m in members[1:]:
         got = {i for i, _ in m[0]}
@@ -122,8 +120,6 @@ def _keeps_outputs(ref, members, match):
     """Whether a new member aligns with every shared operand that carries an output label (a
     member that shares less may move other operands into the compact, not the outputs': the
     heads of a block meet in the loss through their own output projections)."""
-    if len(members) == 1:
-        return True
     outs = {x for g in ref.groups for x in g}
     carriers = {i for i in _shared(members) if outs & set(ref.labels[i])}
     return carriers <= {i for i, _ in match[0]}

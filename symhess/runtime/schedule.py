@@ -17,8 +17,8 @@
   over a compact of their sum (``runtime.collect``; ``False``: each on its own).
 
 ``Schedule.plain()`` is the switch: no cost comparisons (compacts materialised when they fit),
-no mirrored blocks, no collected networks.  The results agree with the default schedule to rounding; the
-environment variable ``SYMHESS_SCHEDULE=plain`` selects it for a whole process.
+no mirrored blocks, no collected networks.  The results agree with the default schedule to
+rounding; the environment variable ``SYMHESS_SCHEDULE=plain`` selects it for a whole process.
 """
 from __future__ import annotations
 

@@ -252,8 +252,7 @@ class Forward:
         of two heads and the middles of (I + J)ᵀ(I + J), contracts 4 over one per-token sum)."""
         _part(part)
         params = self.PARAMS if params is None else tuple(self._param(p) for p in params)
-        nets = {p: collect.collected(self, [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)],
-                                     (0,)) for p in params}
+        nets = {p: self._diagonal_nets(p, part) for p in params}
         out = chunk.dense_each(self, nets, groups=(0,))
         for p in params:
             if p not in out:
@@ -261,13 +260,17 @@ class Forward:
             self._diag_sums[(p, part)] = out[p].sum()
         return {p: out[p] for p in params}
 
+    def _diagonal_nets(self, p, part):
+        """The networks of H_part(p, p) with column atoms identified with row atoms, those
+        that differ only in a sub-network collected (``runtime.collect``)."""
+        return collect.collected(self, [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)], (0,))
+
     def trace(self, p, part="full"):
         """tr H_part(p, p), without the block (the sum of ``diag`` when it was computed)."""
         known = self._diag_sums.get((p, part))
         if known is not None:
             return known
-        nets = collect.collected(self, [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)], (0,))
-        return N.scalar(self, [N.closed(n) for n in nets])
+        return N.scalar(self, [N.closed(n) for n in self._diagonal_nets(p, part)])
 
     def frobenius_norm(self, p, q, part="full"):
         """‖H_part(p, q)‖_F, exact, from pairs of networks (no block built)."""
