@@ -544,3 +544,14 @@ def test_labels_one_operand_carries_are_summed_before_the_product_in_the_plan():
                          {0: n, 1: a, 2: b, 3: c, 4: e})
     assert m.flops == p.flops
     assert np.allclose(got, np.einsum("nab,nce->nac", P, Q), rtol=1e-12, atol=1e-12)
+
+
+def test_a_plan_weighs_memory_bound_steps_by_the_entries_they_move():
+    """An outer product of per-token rows writes n a b entries for n a b flops: its planned
+    time is ``MOVE_COST`` per entry moved; a product of per-token 64 × 64 matrices is its
+    flops (2 n 64³), which dwarf its traffic."""
+    n, a, b = 8, 64, 64
+    outer = C.plan([(0, 1), (0, 2)], (0, 1, 2), {0: n, 1: a, 2: b})
+    assert outer.cost >= C.MOVE_COST * n * a * b > outer.flops
+    gemm = C.plan([(0, 1, 2), (0, 2, 3)], (0, 1, 3), {0: n, 1: a, 2: a, 3: a})
+    assert gemm.cost == gemm.flops == 2 * n * a ** 3

@@ -26,10 +26,13 @@ hold (``_bounded``) and contracting P with K, plus forming K once for all the fa
 K is the same tensor (the middles of every pair of heads), plans fewer flops than the
 networks as they are; otherwise they stay as they were.
 
-Families of fewer than ``MIN_FAMILY`` networks are left alone: in ``nn.MultiheadAttention``
-at L = d = 128, B = 4 pairs of networks collected planned 2·10⁹ → 10⁸ flops yet the
-diagonals ran 0.7 → 2.3 s (peak +0.3 → +1.1 GB), the pairs' own evaluation (entrywise
-products of their parts, inlined compacts) being cheaper than their plans count.
+Families of fewer than ``MIN_FAMILY`` networks are left alone: a pair saves one network
+at most, and its compact is formed by memory-bound steps.  In ``nn.MultiheadAttention`` at
+L = d = 128, B = 4, collecting pairs ran the diagonals 0.7 → 2.3 s (peak +0.3 → +1.1 GB)
+while plans counted flops alone (labels one operand carries counted over the whole product,
+outer products at a tenth of their time); with plans that count both (``runtime.contract``:
+``_private``, ``MOVE_COST``) the pairs are declined by the comparison and the diagonals take
+0.35 s either way.
 
 Cost: the alignment is a search of at most ``SEARCH`` steps per pair of networks, the flop
 comparison one plan per network; the reduction then contracts one network per family.

@@ -31,6 +31,8 @@ the result and broadcast by the caller).  Labels are small integers.
   (``_triangle``), instead of writing the outer product, |e| times the result, to memory.
 
 Cost: the planned flop count (opt_einsum's, about 2·Π sizes per product) is ``Plan.flops``;
+its time in flop-equivalents (``_time``: memory-bound steps at ``MOVE_COST`` per entry moved),
+by which plans are compared, ``Plan.cost``;
 the peak memory of a step is its operands plus its result.
 """
 from __future__ import annotations
@@ -65,6 +67,10 @@ TRIANGLE_TILE = 1 << 15
 # the least matrix (entries) of a stack that a product takes as views of a larger operand
 # whose own labels become batch axes (``_promoted``)
 PROMOTE_MIN = 1 << 10
+# a step that reads and writes more entries than it multiplies runs at memory speed: an entry
+# moved costs as much time as this many flops of a matrix product (an outer product of
+# per-token rows ran at 2 GFlop/s against 25 for per-token matrix products on one core)
+MOVE_COST = 5
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class Plan:
     path: tuple
     flops: int
     largest: int          # entries of the largest intermediate (the result included)
+    cost: int = 0         # flops, or MOVE_COST per entry read and written where that is more
 
 
 def _canonical(labels, out):
@@ -107,6 +114,43 @@ def _plan(labels, out, sizes, limit):
 
 
 def _plan_within(labels, out, sizes, limit):
+    p = _order(labels, out, sizes, limit)
+    return Plan(p.path, p.flops, p.largest, _time(labels, out, sizes, p.path))
+
+
+def _time(labels, out, sizes, path):
+    """The time of ``path`` in flop-equivalents: per step (as ``execute`` runs it: labels
+    only one operand carries summed first), the larger of its flops and ``MOVE_COST`` times
+    the entries it reads and writes.  Matrix products over a wide inner dimension count
+    their flops; outer products, scalings and matrix-vector products their memory traffic,
+    which opt_einsum's flop count puts at a tenth of their time."""
+    ops = [tuple(ls) for ls in labels]
+    size = lambda ls: math.prod(sizes[x] for x in set(ls))          # noqa: E731
+    total = 0
+    for step in path:
+        taken = [ops.pop(i) for i in sorted(step, reverse=True)]
+        needed = set(out).union(*ops)
+        moved, reduced = 0, []
+        for i, ls in enumerate(taken):
+            others = needed.union(*(t for j, t in enumerate(taken) if j != i))
+            kept = tuple(x for x in ls if x in others)
+            moved += size(ls)
+            if len(set(kept)) < len(set(ls)) and len(taken) > 1:
+                total += MOVE_COST * (size(ls) + size(kept))
+                moved += size(kept) - size(ls)
+            reduced.append(kept)
+        union = set().union(*reduced)
+        result = tuple(x for x in dict.fromkeys(y for r in reduced for y in r) if x in needed)
+        ops.append(result)
+        if len(taken) == 1 and set(result) == set(taken[0]):
+            continue                               # nothing to sum: the step is a no-op
+        summed = len(union) > len(set(result))
+        flops = size(union) * (2 if summed and len(taken) > 1 else 1)
+        total += max(flops, MOVE_COST * (moved + size(result)))
+    return total
+
+
+def _order(labels, out, sizes, limit):
     if len(labels) == 1:
         flops = math.prod(sizes[x] for x in set(labels[0]))
         return Plan(((0,),), flops, math.prod(sizes[x] for x in out))

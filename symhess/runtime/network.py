@@ -376,12 +376,13 @@ def inline(n, k, m):
 
 
 def _flops(state, n, groups):
-    """The planned flops of one network (Compact operands counted as arrays)."""
+    """The planned time of one network in flop-equivalents (``contract.Plan.cost``;
+    Compact operands counted as arrays)."""
     if not n.ops:
         return 0
     present = set(x for ls in n.labels for x in ls)
     o = tuple(dict.fromkeys(x for g in groups for x in n.groups[g] if x in present))
-    return C.plan(n.labels, o, n.sizes, state.schedule.limit).flops
+    return C.plan(n.labels, o, n.sizes, state.schedule.limit).cost
 
 
 # ----------------------------------------------------------------------------- evaluation
