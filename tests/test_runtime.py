@@ -462,12 +462,18 @@ def test_triangle_steps_match_einsum(net, limit):
     """Every outer product followed by a step that sums one label runs as one loop over that
     label (``TRIANGLE_MIN`` at 1), in tiles of one entry of the result's first label
     (``TRIANGLE_TILE`` at 1): the numbers are einsum's, on both backends."""
+    _matches_einsum_with(net, limit, TRIANGLE_MIN=1, TRIANGLE_TILE=1)
+
+
+def _matches_einsum_with(net, limit, **tunables):
+    """The network contracted on both backends with ``tunables`` set in ``runtime.contract``
+    gives einsum's numbers."""
     sizes, ops, out, seed = net
     arrays = _arrays(sizes, ops, seed)
     want = _einsum(arrays, ops, out)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(C, "TRIANGLE_MIN", 1)
-        mp.setattr(C, "TRIANGLE_TILE", 1)
+        for name, value in tunables.items():
+            mp.setattr(C, name, value)
         got = C.contract(NP, arrays, ops, out, limit, dict(enumerate(sizes)))
         got_t = C.contract(TORCH, [torch.from_numpy(a) for a in arrays], ops, out, limit,
                            dict(enumerate(sizes)))
@@ -502,16 +508,7 @@ def test_a_triangle_contraction_at_size_forms_nothing_larger_than_its_result():
 def test_products_over_stacks_of_views_match_einsum(net, limit):
     """With ``PROMOTE_MIN`` at 1 every product whose larger operand fits a layout only with
     some of its own labels as batch axes runs as a stack of views: einsum's numbers."""
-    sizes, ops, out, seed = net
-    arrays = _arrays(sizes, ops, seed)
-    want = _einsum(arrays, ops, out)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(C, "PROMOTE_MIN", 1)
-        got = C.contract(NP, arrays, ops, out, limit, dict(enumerate(sizes)))
-        got_t = C.contract(TORCH, [torch.from_numpy(a) for a in arrays], ops, out, limit,
-                           dict(enumerate(sizes)))
-    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
-    assert np.allclose(got_t.numpy(), want, rtol=1e-12, atol=1e-12)
+    _matches_einsum_with(net, limit, PROMOTE_MIN=1)
 
 
 def test_a_per_token_matrix_times_a_weight_over_its_rows_copies_nothing():
