@@ -17,7 +17,7 @@ operand that carries them, a compact to the compact of its networks narrowed the
 (nested compacts too), so that each compact is formed only for the slice, once per slice for
 all the networks of the reduction (``cache``), and released before the next.  Chunks are as
 large as ``compact_limit`` allows.  Networks without such a compact, and those whose
-compacts plan fewer flops inlined than formed (``network.inlining_pays``), are evaluated as
+compacts plan less time inlined than formed (``network.inlining_pays``), are evaluated as
 they are.
 
 Several sums evaluated together (``dense_each``: the diagonals of all parameters of a block)

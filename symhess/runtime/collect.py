@@ -23,8 +23,8 @@ map consistently; many labels of the first onto one of the other: an identity). 
 are tried richest first (most operands), so that a family's first network has the most
 labels.  A family is kept only where K is no larger than an operand its networks already
 hold (``_bounded``) and contracting P with K, plus forming K once for all the families whose
-K is the same tensor (the middles of every pair of heads), plans fewer flops than the
-networks as they are; otherwise they stay as they were.
+K is the same tensor (the middles of every pair of heads), plans less time (``contract.Plan.cost``)
+than the networks as they are; otherwise they stay as they were.
 
 Families of fewer than ``MIN_FAMILY`` networks are left alone: a pair saves one network
 at most, and its compact is formed by memory-bound steps.  In ``nn.MultiheadAttention`` at

@@ -320,7 +320,7 @@ def _keep(state, n, k, groups, paired=False, copies=1):
     shared by the ``copies`` networks that hold it, plus contracting ``n`` with it, against
     contracting its networks inlined.  A compact already formed (for another network, or as
     a slice of ``runtime.chunk``) costs nothing more to form, yet is still inlined where its
-    networks contract for fewer flops than its array does."""
+    networks contract in less planned time (``contract.Plan.cost``) than its array does."""
     c, sched = n.ops[k], state.schedule
     fits = c.materialised or c.entries <= sched.compact_limit
     if sched.materialise != "auto" or paired:           # no cost comparison

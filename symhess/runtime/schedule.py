@@ -8,9 +8,10 @@
   exact diagonal of attention at L = d = 512, B = 8: the same time as with 2 GiB, peak 1.6
   instead of 3.1 GB).
 * ``materialise`` — compact per-token tensors (the block-diagonal moments, LayerNorm
-  Jacobians): ``"auto"`` compares, at the call's sizes, the planned flops of computing the
-  tensor once against inlining its networks into every network that uses it; ``"always"``
-  materialises every one that fits the budget; ``"never"`` inlines them all.
+  Jacobians): ``"auto"`` compares, at the call's sizes, the planned time
+  (``contract.Plan.cost``) of computing the tensor once against inlining its networks into
+  every network that uses it; ``"always"`` materialises every one that fits the budget;
+  ``"never"`` inlines them all.
 * ``mirror`` — a dense Hessian's blocks below the diagonal are copied from the transposed
   blocks above it (``False``: computed from their own networks).
 * ``collect`` — a diagonal's networks that differ only in a sub-network are contracted once
