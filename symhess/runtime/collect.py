@@ -23,8 +23,8 @@ map consistently; many labels of the first onto one of the other: an identity). 
 are tried richest first (most operands), so that a family's first network has the most
 labels.  A family is kept only where K is no larger than an operand its networks already
 hold (``_bounded``) and contracting P with K, plus forming K once for all the families whose
-K is the same tensor (the middles of every pair of heads), plans less time (``contract.Plan.cost``)
-than the networks as they are; otherwise they stay as they were.
+K is the same tensor (the middles of every pair of heads), plans less time
+(``contract.Plan.cost``) than the networks as they are; otherwise they stay as they were.
 
 Families of fewer than ``MIN_FAMILY`` networks are left alone: a pair saves one network
 at most, and its compact is formed by memory-bound steps.  In ``nn.MultiheadAttention`` at
@@ -34,7 +34,7 @@ outer products at a tenth of their time); with plans that count both (``runtime.
 ``_private``, ``MOVE_COST``) the pairs are declined by the comparison and the diagonals take
 0.35 s either way.
 
-Cost: the alignment is a search of at most ``SEARCH`` steps per pair of networks, the flop
+Cost: the alignment is a search of at most ``SEARCH`` steps per pair of networks, the
 comparison one plan per network; the reduction then contracts one network per family.
 """
 from __future__ import annotations
@@ -69,12 +69,12 @@ def collected(state, nets, groups):
         k.users = len(fams)
         nets_k = [N.Net(m.coef, m.ops[:-1] + [k], m.labels, m.groups, m.sizes) for m, _ in fams]
         originals = [n for _, ms in fams for n in ms]
-        with_k = sum(N._flops(state, m, groups) for m in nets_k) + k.cost(state)
+        with_k = sum(N._cost(state, m, groups) for m in nets_k) + k.cost(state)
         out.extend(originals if N._cheaper(state, originals, groups, with_k) else nets_k)
     return out
 
 
-MIN_FAMILY = 3      # fewest networks collected: a pair's plan overstates the gain (below)
+MIN_FAMILY = 3      # fewest networks collected: a pair saves one network at most (above)
 
 
 def _key(k):

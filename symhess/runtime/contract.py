@@ -80,7 +80,7 @@ class Plan:
     path: tuple
     flops: int
     largest: int          # entries of the largest intermediate (the result included)
-    cost: int = 0         # flops, or MOVE_COST per entry read and written where that is more
+    cost: int             # flops, or MOVE_COST per entry read and written where that is more
 
 
 def _canonical(labels, out):
@@ -114,8 +114,8 @@ def _plan(labels, out, sizes, limit):
 
 
 def _plan_within(labels, out, sizes, limit):
-    p = _order(labels, out, sizes, limit)
-    return Plan(p.path, p.flops, p.largest, _time(labels, out, sizes, p.path))
+    path, flops, largest = _order(labels, out, sizes, limit)
+    return Plan(path, flops, largest, _time(labels, out, sizes, path))
 
 
 def _time(labels, out, sizes, path):
@@ -151,15 +151,16 @@ def _time(labels, out, sizes, path):
 
 
 def _order(labels, out, sizes, limit):
+    """(path, flops, largest) of the cheapest pairwise order by opt_einsum's flop count."""
     if len(labels) == 1:
         flops = math.prod(sizes[x] for x in set(labels[0]))
-        return Plan(((0,),), flops, math.prod(sizes[x] for x in out))
+        return ((0,),), flops, math.prod(sizes[x] for x in out)
     mem = None if limit is None else max(int(limit), math.prod(sizes[x] for x in out))
     labels, own_flops = _private(labels, out, sizes)
     prefix, rest, pre_flops, pre_largest = _shrink(labels, out, sizes)
     pre_flops += own_flops
     if len(rest) == 1:
-        return Plan(tuple(prefix) + ((0,),), pre_flops, max(pre_largest, math.prod(sizes[x] for x in out)))
+        return tuple(prefix) + ((0,),), pre_flops, max(pre_largest, math.prod(sizes[x] for x in out))
     sym = [oe.get_symbol(i) for i in range(len(sizes))]
     eq = ",".join("".join(sym[x] for x in ls) for ls in rest) + "->" + "".join(sym[x] for x in out)
     shapes = [tuple(sizes[x] for x in ls) for ls in rest]
@@ -177,7 +178,7 @@ def _order(labels, out, sizes, limit):
     if any(len(step) > 2 for step in path):     # no pairwise order fits the limit
         _, free = oe.contract_path(eq, *shapes, shapes=True, optimize="greedy")
         largest = max(largest, int(free.largest_intermediate), (mem or 0) + 1)
-    return Plan(tuple(prefix) + tuple(tuple(s) for s in path), pre_flops + int(info.opt_cost), largest)
+    return tuple(prefix) + tuple(tuple(s) for s in path), pre_flops + int(info.opt_cost), largest
 
 
 def _private(labels, out, sizes):

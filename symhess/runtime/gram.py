@@ -105,7 +105,7 @@ def token_form(state, n):
                 own = [x for x in out if any(x in n.labels[i] for i in ops)]
                 m = N.Net(1.0, [n.ops[i] for i in ops], [n.labels[i] for i in ops],
                           (tuple(tau) + tuple(own),), {x: n.sizes[x] for i in ops for x in n.labels[i]})
-                flops += N._flops(state, m, (0,))
+                flops += N._cost(state, m, (0,))
                 parts.append([(1.0, m)])
                 okeys.append(tuple(where[x] for x in own))
             tokens = math.prod(n.sizes[x] for x in tau)
@@ -401,7 +401,7 @@ class Norms:
         if both is not None:
             fa, fb = both if a is not b else (a.form, a.form)
             if self.prefer == "token" or \
-                    cost(fa, fb) < sum(N._flops(st, N.paired(st, x, y), ()) for x, y in pairs):
+                    cost(fa, fb) < sum(N._cost(st, N.paired(st, x, y), ()) for x, y in pairs):
                 return self.pairer.pair(fa, fb)
         return N.scalar(st, [N.paired(st, x, y) for x, y in pairs])
 

@@ -197,11 +197,12 @@ class Compact:
         self._array = None
 
     def cost(self, state):
-        """Planned flops to materialise it (0 once done)."""
+        """Planned time to materialise it (flop-equivalents, ``contract.Plan.cost``; 0 once
+        done)."""
         if self._array is not None:
             return 0
         if self._cost is None:
-            self._cost = sum(_flops(state, m, (0,))
+            self._cost = sum(_cost(state, m, (0,))
                              for n in self.nets for m in _expand(state, n, (0,)))
         return self._cost
 
@@ -251,7 +252,7 @@ def resolve(state, n, groups, paired=False):
         flat = _inlined(n, JOINT_MAX)
         if flat is not None and len(flat) > len(nets):
             kept = {id(op): op for m in nets for op in m.ops if isinstance(op, Compact)}
-            chosen = sum(_flops(state, m, groups) for m in nets) + \
+            chosen = sum(_cost(state, m, groups) for m in nets) + \
                 sum(c.cost(state) / c.users for c in kept.values())
             if _cheaper(state, flat, groups, chosen):
                 nets = flat
@@ -269,7 +270,7 @@ def inlining_pays(state, n, groups, compacts):
     flat = _inlined(n, JOINT_MAX)
     if flat is None:
         return False
-    formed = _flops(state, n, groups) + sum(c.cost(state) / c.users for c in compacts)
+    formed = _cost(state, n, groups) + sum(c.cost(state) / c.users for c in compacts)
     return _cheaper(state, flat, groups, formed)
 
 
@@ -278,7 +279,7 @@ def _cheaper(state, nets, groups, bound):
     the running sum reaches the bound (each plan costs a search over its operands)."""
     total = 0
     for m in nets:
-        total += _flops(state, m, groups)
+        total += _cost(state, m, groups)
         if total >= bound:
             return False
     return True
@@ -327,8 +328,8 @@ def _keep(state, n, k, groups, paired=False, copies=1):
         return c.materialised or (fits and sched.materialise != "never")
     if not fits:
         return False
-    as_array = _flops(state, n, groups) + c.cost(state) / (copies * c.users)
-    inlined = sum(_flops(state, inline(n, k, m), groups) for m in c.nets)
+    as_array = _cost(state, n, groups) + c.cost(state) / (copies * c.users)
+    inlined = sum(_cost(state, inline(n, k, m), groups) for m in c.nets)
     return as_array <= inlined
 
 
@@ -375,7 +376,7 @@ def inline(n, k, m):
     return Net(n.coef * m.coef, ops, labels, n.groups, sizes)
 
 
-def _flops(state, n, groups):
+def _cost(state, n, groups):
     """The planned time of one network in flop-equivalents (``contract.Plan.cost``;
     Compact operands counted as arrays)."""
     if not n.ops:
@@ -627,8 +628,8 @@ def _core_pays(state, m, skel, core_net):
     core = tuple(core_net.groups[0])
     lean = Net(m.coef, [m.ops[i] for i in skel] + [None], [m.labels[i] for i in skel] + [core],
                m.groups, m.sizes)                     # the skeleton with the core to come
-    with_core = _flops(state, core_net, (0,)) + _flops(state, paired(state, lean, lean), ())
-    return with_core < _flops(state, paired(state, m, m), ())
+    with_core = _cost(state, core_net, (0,)) + _cost(state, paired(state, lean, lean), ())
+    return with_core < _cost(state, paired(state, m, m), ())
 
 
 def _skeleton(state, m):
