@@ -773,7 +773,7 @@ class ce_causal0(Forward):
     def S_2(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_2', [
-            net(1, 'nabc,nade,be->nacd', s.M_2, s.dA_2, s.W_V),
+            net(1, 'nabc,nadc->nadb', s.dA_2, s.S),
         ])
 
     def block__W_Q__W_Q__outer(s):
@@ -846,13 +846,13 @@ class ce_causal0(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncad,nce,df->n|cb|ef', s.W_V, s.M_2, s.X, s.W_K),
+            net(1/math.sqrt(s.d_K), 'nab,cd,nace->n|ae|bd', s.X, s.W_K, s.S),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncad,nce,ef->n|cb|df', s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/math.sqrt(s.d_K), 'nab,bc,nade->n|ae|dc', s.X, s.W_Q, s.S),
         ]
 
     def jacobian__W_V(s):
@@ -1094,7 +1094,7 @@ class ce_causal1(Forward):
     def S_2(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_2', [
-            net(1, 'nabc,nade,be->nacd', s.M_2, s.dA_2, s.W_V),
+            net(1, 'nabc,nadc->nadb', s.dA_2, s.S),
         ])
 
     def block__W_Q__W_Q__outer(s):
@@ -1167,13 +1167,13 @@ class ce_causal1(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncad,nce,df->n|cb|ef', s.W_V, s.M_2, s.X, s.W_K),
+            net(1/math.sqrt(s.d_K), 'nab,cd,nace->n|ae|bd', s.X, s.W_K, s.S),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncad,nce,ef->n|cb|df', s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/math.sqrt(s.d_K), 'nab,bc,nade->n|ae|dc', s.X, s.W_Q, s.S),
         ]
 
     def jacobian__W_V(s):
@@ -1240,4 +1240,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "54819ae74cc2e4f18542ab96"
+CHECKSUM = "5af8341b0125cbda9a2e1ceb"

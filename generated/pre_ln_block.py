@@ -2439,7 +2439,7 @@ class ce_bias0_causal0(Forward):
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.N_2, s.S_23),
         ]
 
     def block__W_Q__W_1__functional(s):
@@ -2489,7 +2489,7 @@ class ce_bias0_causal0(Forward):
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.N_2, s.S_23),
         ]
 
     def block__W_K__W_1__functional(s):
@@ -2526,7 +2526,7 @@ class ce_bias0_causal0(Forward):
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_27, s.S_19, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde->ac|fe', s.t_27, s.S_19, s.t_5, s.t_11, s.N_2, s.S_23),
         ]
 
     def block__W_V__W_1__functional(s):
@@ -2550,7 +2550,7 @@ class ce_bias0_causal0(Forward):
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_11, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nae,naf,nade->bc|fe', s.N_2, s.t_11, s.W_2, s.t_5, s.t_11, s.N_2, s.S_23),
         ]
 
     def block__W_1__W_2__outer(s):
@@ -3341,7 +3341,7 @@ class ce_bias0_causal1(Forward):
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.N_2, s.S_23),
         ]
 
     def block__W_Q__W_1__functional(s):
@@ -3391,7 +3391,7 @@ class ce_bias0_causal1(Forward):
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.N_2, s.S_23),
         ]
 
     def block__W_K__W_1__functional(s):
@@ -3428,7 +3428,7 @@ class ce_bias0_causal1(Forward):
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_27, s.S_19, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde->ac|fe', s.t_27, s.S_19, s.t_5, s.t_11, s.N_2, s.S_23),
         ]
 
     def block__W_V__W_1__functional(s):
@@ -3452,7 +3452,7 @@ class ce_bias0_causal1(Forward):
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_11, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nae,naf,nade->bc|fe', s.N_2, s.t_11, s.W_2, s.t_5, s.t_11, s.N_2, s.S_23),
         ]
 
     def block__W_1__W_2__outer(s):
@@ -3608,4 +3608,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "34c6d14cdff7b1bd9c022b01"
+CHECKSUM = "272cc07982c6bb3066f26a25"

@@ -581,7 +581,7 @@ class ce_causal0(Forward):
     def block__W_QK__W_QK__outer(s):
         """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,nacd,ed,naef,nag,nhac->bh|gf', s.X, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.S),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae,nfac,ngad->bf|eg', s.X, s.t_2, s.dA_2, s.X, s.S, s.S),
         ]
 
     def block__W_QK__W_QK__functional(s):
@@ -611,7 +611,7 @@ class ce_causal0(Forward):
     def jacobian__W_QK(s):
         """∂vec_r F/∂vec_r W_QK, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,ncad,nce->n|cb|ed', s.W_V, s.M_2, s.X),
+            net(1, 'nab,ncad->n|ad|bc', s.X, s.S),
         ]
 
     def jacobian__W_V(s):
@@ -812,7 +812,7 @@ class ce_causal1(Forward):
     def block__W_QK__W_QK__outer(s):
         """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,nacd,ed,naef,nag,nhac->bh|gf', s.X, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.S),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae,nfac,ngad->bf|eg', s.X, s.t_2, s.dA_2, s.X, s.S, s.S),
         ]
 
     def block__W_QK__W_QK__functional(s):
@@ -842,7 +842,7 @@ class ce_causal1(Forward):
     def jacobian__W_QK(s):
         """∂vec_r F/∂vec_r W_QK, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,ncad,nce->n|cb|ed', s.W_V, s.M_2, s.X),
+            net(1, 'nab,ncad->n|ad|bc', s.X, s.S),
         ]
 
     def jacobian__W_V(s):
@@ -896,4 +896,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "58501a0111c24f154dd8df93"
+CHECKSUM = "8b2a9868459a9aa7dc947402"

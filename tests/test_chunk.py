@@ -11,7 +11,9 @@ import pytest
 
 import symhess as sh
 from symhess.calculus.verify import autograd_blocks, random_values
-from symhess.runtime import chunk
+from symhess.runtime import chunk, cost, network as N
+from symhess.runtime.numpy_ops import OPS as NP
+from symhess.runtime.schedule import Schedule
 
 SIZES = {"L": 3, "d_V": 5, "d_K": 2, "d_ff": 4}
 TOL = 1e-10
@@ -108,3 +110,29 @@ def test_attention_moments_over_the_limit_give_autograds_diagonals():
     for p in der.layer.param_names:
         want = np.diag(ref[(p, p)])
         assert np.abs(_numpy(got[p]) - want).max() <= TOL * np.abs(want).max(), p
+
+
+class _State:
+    def __init__(self):
+        self.ops, self.like = NP, np.zeros(1)
+        self.schedule = Schedule()
+
+
+def test_a_compact_two_networks_of_a_pass_hold_is_formed_once_for_both():
+    """C = X Y (n × m × m, summed over k < m) in two networks C D_1 and C D_2 of one pass: alone,
+    each contracts X (Y D) (4 n k m² flops) for less than forming C and using it
+    (2 n k m² + 2 n m³); for both, C formed once pays (2 n k m² + 2 · 2 n m³ < 2 · 4 n k m²).
+    The pass forms it once, gives each network's einsum, and leaves the compact as it was."""
+    n, m, k = 2, 40, 32
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((n, m, k)), rng.standard_normal((n, k, m))
+    D = [rng.standard_normal((n, m, m)) for _ in range(2)]
+    C = N.Compact("C", [N.net(1, "nik,nkj->nij", X, Y)])
+    sums = {i: [N.net(1, "nij,njl->nil", C, D[i])] for i in range(2)}
+    with cost.counting() as c:
+        out = chunk.dense_each(_State(), sums, (0,))
+    assert c.flops == 2 * n * k * m * m + 2 * 2 * n * m ** 3 < 2 * 4 * n * k * m * m
+    assert C.users == 1
+    for i in range(2):
+        want = np.einsum("nik,nkj,njl->nil", X, Y, D[i]).reshape(-1)
+        assert np.abs(out[i] - want).max() <= 1e-12 * np.abs(want).max()

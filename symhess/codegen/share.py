@@ -25,12 +25,30 @@ it: a component as above whose operands are compacts and parameter leaves that c
 output atom (data leaves such as X stay out: they carry the sums over tokens), with at least
 one compact; the runtime again materialises it or inlines it, whichever plans fewer flops.
 
+A shared product can also sit inside a larger component of a block's term that
+``_components`` does not name: the modern block's residual around the MLP puts
+(I + J)ᵀ(I + J) between attention and the loss, and its JᵀJ term holds the chain
+S_3 (S_5 W_2)(W_2ᵀ S_6ᵀ) S_7 whole, where W_2 appears twice (a component of repeated leaves,
+left alone above), while its J and Jᵀ terms made S_3 S_5 W_2 and S_7 S_6 W_2 shared
+products.  ``_sub_products`` replaces every occurrence of a shared product's operands in a
+block's, Jacobian's or compact's term (the same operands, their atoms mapped one to one, its
+summed atoms carried by nothing else in the term) by that compact, larger products first:
+JᵀJ then contracts the two per-token d × d compacts (B L d³) instead of the chain with two
+d × d_ff factors per token (≈ 5 B L d² d_ff where d_ff = 4d), and the compact
+(I + S_3 J)(I + Jᵀ S_7) of the attention weights' outer blocks multiplies the shared S_3 J by
+its second factor.  A shared product's own terms use only products of fewer operands (no
+product is defined through itself), and the compacts are reordered so that each follows
+those it holds.  Rewriting keeps the compacts acyclic: a term that holds a product's
+operands already depends on everything the product does.
+
 Terminates: one pass over the compacts' terms and one over the blocks' and Jacobians'; each
 rewrite removes ≥ 2 operands from a term and adds one, and the new compacts' terms are not
-visited again.
+visited again; the sub-product passes repeat only after a rewrite, and each rewrite
+lowers the number of operands over all terms (a product of two or more becomes one).
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import replace
 
@@ -56,7 +74,9 @@ class SharedProduct:
 def share(prog):
     """Rewrite the terms of ``prog``'s compacts so that each product of leaves held by two or
     more of them is one compact, then those of its blocks and Jacobians so that each chain of
-    compacts held by two or more of them is one (module docstring); returns how many."""
+    compacts held by two or more of them is one, then every term that holds a shared
+    product's operands inside a larger product so that it holds the product (module
+    docstring); returns how many products were made."""
     holders = [prog.compacts[node] for node in prog.compact_order]
     found = _found(holders, lambda t: _components(t))
     made = 0
@@ -73,7 +93,94 @@ def share(prog):
         if len(users) >= 2:
             prog.compact_order.append(_rewrite(prog, holders, users, made))   # after its operands
             made += 1
+    _named_inside(prog, holders)
+    prog.compact_order = _dependencies_first(prog)
     return made
+
+
+def _dependencies_first(prog):
+    """``prog.compact_order`` reordered so that every compact follows those its terms hold
+    (the sub-product pass may make a compact hold a shared product listed after it)."""
+    order, done = [], set()
+
+    def visit(node):
+        if node not in done:
+            done.add(node)
+            for t in prog.compacts[node]:
+                for op in t.operands:
+                    if op.kind == "compact":
+                        visit(op.ref)
+            order.append(node)
+    for node in prog.compact_order:
+        visit(node)
+    return order
+
+
+def _named_inside(prog, holders):
+    """Rewrite the compacts' terms and ``holders`` (the blocks' and Jacobians' term lists)
+    with the shared products (``_sub_products``) until no term holds one's operands: a
+    shared product's definition rewritten with a smaller one changes what it matches, so
+    passes repeat while one rewrites a term.  A compact never uses itself, and a product
+    used has at least two operands (so every rewrite removes one)."""
+    lists = [(node, prog.compacts[node]) for node in prog.compact_order] + [(None, ts) for ts in holders]
+    changed = True
+    while changed:
+        changed = False
+        for node, terms in lists:
+            shared = [n for n in prog.compact_order if isinstance(n, SharedProduct)
+                      and n is not node and len(prog.compacts[n][0].operands) >= 2]
+            shared.sort(key=lambda n: -len(prog.compacts[n][0].operands))
+            for i, t in enumerate(terms):
+                terms[i] = _sub_products(t, [(n, prog.compacts[n][0]) for n in shared])
+                changed |= terms[i] is not t
+
+
+def _sub_products(t, shared):
+    """Term t with every occurrence of a shared product's operands (``shared``: [(key,
+    defining term)], tried in order) replaced by that compact (module docstring)."""
+    while True:
+        for key, d in shared:
+            found = _occurrence(t, d)
+            if found is not None:
+                picked, image = found
+                rest = [op for k, op in enumerate(t.operands) if k not in picked]
+                axes = tuple(image[a] for a in d.groups[0])
+                rest.append(replace(t.operands[min(picked)], kind="compact", ref=key, rows=axes,
+                                    cols=(1,) * len(axes)))
+                t = replace(t, operands=rest)
+                break
+        else:
+            return t
+
+
+def _occurrence(t, d):
+    """(positions of t's operands, {d's atom: t's atom}) of one occurrence in term t of the
+    product that term d defines, or None: d's operands matched one to one with t's operands of
+    the same kind, expression and row count, their atoms mapped one to one, and every atom d
+    sums over carried by no other operand of t nor by t's output."""
+    def atoms(op):
+        return op.rows + (op.cols if op.kind == "leaf" else ())
+
+    def same(a, b):
+        return (a.kind == b.kind and a.ref.key == b.ref.key and len(a.rows) == len(b.rows)
+                and (a.kind == "leaf" or set(a.cols) <= {1}))
+    count = Counter(a for op in t.operands for a in atoms(op))
+    out = {a for g in t.groups for a in g}
+    summed = {a for op in d.operands for a in atoms(op)} - set(d.groups[0])
+    options = [[k for k, op in enumerate(t.operands) if same(op, p)] for p in d.operands]
+    for picked in itertools.product(*options):
+        if len(set(picked)) < len(picked):
+            continue
+        image = {}
+        if not all(image.setdefault(a, b) == b
+                   for p, k in zip(d.operands, picked) for a, b in zip(atoms(p), atoms(t.operands[k]))):
+            continue
+        if len(set(image.values())) < len(image):
+            continue
+        inside = Counter(b for k in picked for b in atoms(t.operands[k]))
+        if all(image[a] not in out and inside[image[a]] == count[image[a]] for a in summed):
+            return set(picked), image
+    return None
 
 
 def _found(holders, parts):

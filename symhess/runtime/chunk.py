@@ -25,6 +25,13 @@ share the slices: each compact's slice is formed once for every network of every
 holds it, and released (``Compact.release``) as soon as no network left in the slice can
 read it (a compact whose slice is formed no longer needs the compacts it was formed from).
 
+While the pass runs, each compact's ``users`` counts the networks of the pass (and of the
+compacts they hold) that hold it (``_priced_once``): a compact formed for one of them is read
+by the others, so each weighs a share of its formation when choosing to form or inline it
+(``network._keep``); priced whole by each holder, a product that several networks share (the
+modern block's S_3 J, held by the outer blocks of every attention weight) was inlined into
+each of them.
+
 Cost: the flops of forming each compact once (as when it fits) plus each network's per-chunk
 contraction; memory: a slice of each compact alive in the slice (≤ ``compact_limit`` entries
 each) and the contractions' intermediates (≤ the schedule's ``limit``).
@@ -32,6 +39,8 @@ each) and the contractions' intermediates (≤ the schedule's ``limit``).
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from contextlib import contextmanager
 
 from . import network as N
 
@@ -47,10 +56,33 @@ def dense_each(state, sums, groups=(0, 1)):
     of a block's parameters share the per-token compacts of the layers above them)."""
     sums = {k: list(nets) for k, nets in sums.items() if nets}
     accs = {k: (None, N.layout(nets, groups)) for k, nets in sums.items()}
-    for key, n in chunked(state, sums, groups):
-        acc, (shape, flat) = accs[key]
-        accs[key] = (N.add_term(state, n, groups, acc, shape), (shape, flat))
+    with _priced_once([n for nets in sums.values() for n in nets]):
+        for key, n in chunked(state, sums, groups):
+            acc, (shape, flat) = accs[key]
+            accs[key] = (N.add_term(state, n, groups, acc, shape), (shape, flat))
     return {k: state.ops.reshape(acc, flat) for k, (acc, (_, flat)) in accs.items()}
+
+
+@contextmanager
+def _priced_once(nets):
+    """Every compact that ``nets`` hold (nested ones too) with ``users`` raised to the number
+    of those networks and compact networks that hold it, restored on exit."""
+    holders, compacts, todo = Counter(), {}, list(nets)
+    while todo:
+        held = {id(op): op for op in todo.pop().ops if isinstance(op, N.Compact)}
+        holders.update(held.keys())
+        for i, c in held.items():
+            if i not in compacts:
+                compacts[i] = c
+                todo.extend(c.nets)
+    before = {i: c.users for i, c in compacts.items()}
+    for i, c in compacts.items():
+        c.users = max(c.users, holders[i])
+    try:
+        yield
+    finally:
+        for i, c in compacts.items():
+            c.users = before[i]
 
 
 def chunked(state, sums, groups):
