@@ -641,130 +641,100 @@ class mse_causal0(Forward):
 
     @leaf
     def S_6(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_6', [
-            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_29, s.W_3),
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_5),
         ])
 
     @leaf
     def S_7(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_46, ONES, s.Y_2),
+            net(1, 'ab,nacd->ncdb', s.W_2, s.S_6),
         ])
 
     @leaf
     def S_8(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
-            net(1, 'nabc,nadb->nacd', s.S_7, s.S_6),
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc->nacb', s.S_7),
         ])
 
     @leaf
     def S_9(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (3 networks)."""
         return Compact('S_9', [
-            net(1, 'ab,ncda->ncdb', s.W_2, s.S_8),
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadb->nadc', s.S_8, s.S_7),
+            net(1, 'nabc->nacb', s.S_7),
         ])
 
     @leaf
     def S_10(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_10', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc->nacb', s.S_9),
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->abc', s.S, s.R),
         ])
 
     @leaf
     def S_11(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_11', [
-            net(1, 'nabc,nacd->ndab', s.S_3, s.S_5),
+            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
         ])
 
     @leaf
     def S_12(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'ab,nacd->ncdb', s.W_2, s.S_11),
+            net(1, 'nab->nab', s.t_50),
+            net(2, 'nab->nab', s.t_51),
         ])
 
     @leaf
     def S_13(s):
-        """A sum as a compact tensor (3 networks)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadb->nadc', s.S_10, s.S_12),
-            net(1, 'nabc->nacb', s.S_9),
+            net(1, 'nab->nab', s.t_52),
+            net(1, 'nab->nab', s.t_53),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->abc', s.S, s.R),
+            net(1, 'nab,cb->nabc', s.S_12, s.W_1),
+            net(1, 'nab,cb->nabc', s.S_13, s.W_3),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
+            net(1, 'ab,ncbd->ncad', s.W_1, s.S_14),
+            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_13, s.W_1),
         ])
 
     @leaf
     def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab->nab', s.t_50),
-            net(2, 'nab->nab', s.t_51),
+            net(1, 'nab,bc->nabc', s.t_54, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_56, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nadc->nabd', s.t_46, s.S_15, s.S_3),
         ])
 
     @leaf
     def S_17(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_17', [
-            net(1, 'nab->nab', s.t_52),
-            net(1, 'nab->nab', s.t_53),
-        ])
-
-    @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(1, 'nab,cb->nabc', s.S_16, s.W_1),
-            net(1, 'nab,cb->nabc', s.S_17, s.W_3),
-        ])
-
-    @leaf
-    def S_19(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
-            net(1, 'ab,ncbd->ncad', s.W_1, s.S_18),
-            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_17, s.W_1),
-        ])
-
-    @leaf
-    def S_20(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_20', [
-            net(1, 'nab,bc->nabc', s.t_54, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_56, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_46, s.S_19, s.S_7),
-        ])
-
-    @leaf
-    def S_21(s):
         """A sum as a compact tensor (4 networks)."""
-        return Compact('S_21', [
+        return Compact('S_17', [
             net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_58, ONES, s.Y_2),
-            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_19, s.S_7),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_20),
+            net(1/math.sqrt(s.d_K), 'nab,nabc,nadc->nabd', s.R_N_2, s.S_15, s.S_3),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
 
     @leaf
@@ -777,10 +747,10 @@ class mse_causal0(Forward):
         ])
 
     @leaf
-    def S_22(s):
+    def S_18(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_22', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_21, s.t_4, s.dA),
+        return Compact('S_18', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_4, s.dA),
             net(1, 'nabc->nabc', s.d2A),
         ])
 
@@ -793,43 +763,11 @@ class mse_causal0(Forward):
         ])
 
     @leaf
-    def S_23(s):
+    def S_19(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_23', [
-            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->bac', s.S, s.R),
-        ])
-
-    @leaf
-    def S_24(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_24', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_25(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_25', [
+        return Compact('S_19', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_26', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc->nabc', s.S_12),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_27', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_16),
-            net(1, 'ab,ncb->ncab', s.W_3, s.S_17),
         ])
 
     @leaf
@@ -842,10 +780,10 @@ class mse_causal0(Forward):
         ])
 
     @leaf
-    def S_28(s):
+    def S_20(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_28', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_30, s.S_21, s.t_6, s.dA_2),
+        return Compact('S_20', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_30, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -859,22 +797,22 @@ class mse_causal0(Forward):
         ])
 
     @leaf
-    def S_29(s):
+    def S_21(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_29', [
+        return Compact('S_21', [
             net(1, 'nab,bc->nabc', s.t_61, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_62, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_46, s.S_19, s.S_7),
+            net(2/s.d_V, 'nab,nabc,nadc->nabd', s.t_46, s.S_15, s.S_3),
         ])
 
     @leaf
-    def S_30(s):
+    def S_22(s):
         """A sum as a compact tensor (4 networks)."""
-        return Compact('S_30', [
+        return Compact('S_22', [
             net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
-            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_19, s.S_7),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_29),
+            net(1, 'nab,nabc,nadc->nabd', s.R_N_2, s.S_15, s.S_3),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_21),
         ])
 
     @leaf
@@ -887,474 +825,467 @@ class mse_causal0(Forward):
         ])
 
     @leaf
-    def S_31(s):
+    def S_23(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_31', [
+        return Compact('S_23', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
             net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_46),
         ])
 
     @leaf
-    def S_32(s):
+    def S_24(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_32', [
+        return Compact('S_24', [
             net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de,naef->nabf', s.S_31, s.S_5, s.W_2, s.S_10),
-            net(2/(s.L*s.d_V), 'nabc->nacb', s.S_9),
+            net(1, 'nabc,nacd,de,naef->nabf', s.S_23, s.S_5, s.W_2, s.S_8),
+            net(2/(s.L*s.d_V), 'nabc->nacb', s.S_7),
         ])
 
     @leaf
-    def S_33(s):
+    def S_25(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_33', [
+        return Compact('S_25', [
             net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_31, s.S_5, s.W_2),
+            net(1, 'nabc,nacd,de->nabe', s.S_23, s.S_5, s.W_2),
         ])
 
     @leaf
-    def S_34(s):
+    def S_26(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_34', [
+        return Compact('S_26', [
             net(2/(s.L*s.d_V), 'nab->nab', s.t_47),
             net(2/(s.L*s.d_V), 'nab->nab', s.t_48),
         ])
 
     @leaf
-    def S_35(s):
+    def S_27(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_35', [
+        return Compact('S_27', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'nabc->nacb', s.S_9),
+            net(1/math.sqrt(s.d_K), 'nabc->nacb', s.S_7),
         ])
 
     @leaf
-    def S_36(s):
+    def S_28(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_36', [
-            net(1, 'abc,deb->ecad', s.S_14, s.S_24),
+        return Compact('S_28', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_66),
         ])
 
     @leaf
-    def S_37(s):
+    def S_29(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_37', [
-            net(1, 'nabc,db->nacd', s.S_21, s.t_66),
+        return Compact('S_29', [
+            net(1, 'nabc,nadc->ndab', s.S_3, s.S_14),
         ])
 
     @leaf
-    def S_38(s):
+    def S_30(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_38', [
-            net(1, 'nabc,nacd->ndab', s.S_3, s.S_27),
+        return Compact('S_30', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_67),
         ])
 
     @leaf
-    def S_39(s):
+    def S_31(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_39', [
-            net(1, 'nabc,db->nacd', s.S_21, s.t_67),
+        return Compact('S_31', [
+            net(1, 'nabc,db->nacd', s.S_22, s.t_66),
         ])
 
     @leaf
-    def S_40(s):
+    def S_32(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_40', [
-            net(1, 'nabc,db->nacd', s.S_30, s.t_66),
-        ])
-
-    @leaf
-    def S_41(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_41', [
-            net(1, 'nabc,db->nacd', s.S_30, s.t_67),
+        return Compact('S_32', [
+            net(1, 'nabc,db->nacd', s.S_22, s.t_67),
         ])
 
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_13, s.t_4, s.dA, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_9, s.t_4, s.dA, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
         """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_15, s.t_2, s.S_22, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_13, s.t_6, s.dA_2, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
         """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.S_21, s.t_6, s.dA_2, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
         ]
 
     def block__W_Q1__W_K__functional(s):
         """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_24, s.t_2, s.d2A, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_24, s.t_2, s.dA, s.t_3, s.S_21, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_24, s.t_2, s.dA, s.t_3, s.S_21, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_24, s.N_1, s.S_36),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nag,fgh,nfi->bd|ih', s.N_1, s.S_10, s.t_2, s.d2A, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_10, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_10, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,ecf,neg->bd|gf', s.N_1, s.S_10, s.t_24, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
         """H_o(W_Q1, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_24, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_37),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_24, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_37),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_24, s.t_2, s.dA, s.N_1, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_10, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_10, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_10, s.t_2, s.dA, s.N_1, s.t_25),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_13, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_9, s.t_26),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_24, s.t_2, s.dA, s.t_27, s.t_23),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_24, s.t_2, s.dA, s.t_27, s.W_O1, s.S_21, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_10, s.t_2, s.dA, s.t_27, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,gh,nahi,naj->bd|ji', s.N_1, s.S_10, s.t_2, s.dA, s.t_27, s.W_O1, s.S_17, s.t_26),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_13, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_9, s.t_28),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_24, s.t_2, s.dA, s.t_3, s.S_21, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nagh,nai->bd|ih', s.N_1, s.S_10, s.t_2, s.dA, s.t_3, s.S_17, s.t_28),
         ]
 
     def block__W_Q1__W_1__outer(s):
         """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_26, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,ih,nai,naj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_8, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q1__W_1__functional(s):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.N_2, s.S_29),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_26, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,ih,nai,naj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_8, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
         """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q1__W_2__outer(s):
         """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_26, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_8, s.t_15),
         ]
 
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.G, s.S_6),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_13, s.t_6, s.dA_2, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
         """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_15, s.t_2, s.S_28, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_20, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_24, s.t_2, s.d2A_2, s.t_8, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_30, s.S_21, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_30, s.S_21, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_31, s.N_1, s.S_36),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nag,fgh,nfi->bd|ih', s.N_1, s.S_10, s.t_2, s.d2A_2, s.t_8, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,ecf,neg->bd|gf', s.N_1, s.S_10, s.t_31, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_24, s.t_2, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_39),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_24, s.t_2, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_39),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_24, s.t_2, s.dA_2, s.N_1, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_10, s.t_2, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_10, s.t_2, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_10, s.t_2, s.dA_2, s.N_1, s.t_32),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_13, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_26),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_30, s.S_21, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nagh,nai->bd|ih', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_26),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_13, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_28),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_27, s.t_23),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_27, s.W_O2, s.S_21, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_27, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,gh,nahi,naj->bd|ji', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_27, s.W_O2, s.S_17, s.t_28),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_26, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,ih,nai,naj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_8, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.N_2, s.S_29),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_26, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,ih,nai,naj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_8, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_26, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_8, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.G, s.S_6),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_15, s.t_33, s.d2A_3, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_15, s.t_34, s.d2A_4, s.t_8, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,fgh,nfi->bc|ih', s.N_1, s.S_11, s.t_33, s.d2A_3, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_22, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_22, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,fgh,nfi->bc|ih', s.N_1, s.S_11, s.t_34, s.d2A_4, s.t_8, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_22, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_22, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_15, s.t_33, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_15, s.t_33, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_15, s.t_33, s.dA, s.N_1, s.t_38),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_15, s.t_34, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_15, s.t_34, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_15, s.t_34, s.dA_2, s.N_1, s.t_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.t_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.t_39),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_13, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_13, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_9, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_9, s.t_26),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_15, s.t_33, s.dA, s.t_27, s.t_37),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_15, s.t_33, s.dA, s.t_27, s.W_O1, s.S_30, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_33, s.dA, s.t_27, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_33, s.dA, s.t_27, s.W_O1, s.S_22, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_22, s.t_26),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_13, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_13, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_9, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_9, s.t_28),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_30, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_27, s.t_37),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_27, s.W_O2, s.S_30, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_22, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_27, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_27, s.W_O2, s.S_22, s.t_28),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_26, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_26, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,ih,nei,nej->bc|ji', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_8, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,ih,nei,nej->bc|ji', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_8, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.N_2, s.S_38),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.N_2, s.S_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.N_2, s.S_29),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_26, s.W_2, s.t_29, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_26, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,ih,nei,nej->bc|ji', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_8, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,ih,nei,nej->bc|ji', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_8, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_3, s.W_1, s.S_17, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_26, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_26, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,nei->bc|ih', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_8, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,nei->bc|ih', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_8, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.G, s.S_11),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.G, s.S_6),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -1362,247 +1293,247 @@ class mse_causal0(Forward):
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_7),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_30, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_30, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_30, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_22, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_22, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_22, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_22, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_13, s.t_26),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_13, s.t_26),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_26),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_26),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_40, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_30, s.t_26),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_30, s.t_26),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_26),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_26),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_13, s.t_28),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_13, s.t_28),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_28),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_28),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_41, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_30, s.t_28),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_30, s.t_28),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_28),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_28),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_26, s.W_2, s.S_4, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_26, s.W_2, s.S_4, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_8, s.W_2, s.S_4, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_8, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_29),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_29),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_26, s.W_2, s.t_29, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_26, s.W_2, s.t_29, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_8, s.W_2, s.t_29, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_8, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
         """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_15),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_15),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_8, s.t_15),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_8, s.t_15),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A1, s.W_O1, s.G, s.S_11),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A2, s.W_O2, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A1, s.W_O1, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A2, s.W_O2, s.G, s.S_6),
         ]
 
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_32, s.t_26),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_24, s.t_26),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_30, s.t_26),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_22, s.t_26),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_32, s.t_28),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_24, s.t_28),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_30, s.t_28),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_22, s.t_28),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_33, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_25, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_42, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_42, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_42, s.N_2, s.S_29),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_33, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_25, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_42, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_42, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_42, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_33, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_25, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_42, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_42, s.G, s.S_6),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_32, s.t_28),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_24, s.t_28),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_30, s.t_28),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_22, s.t_28),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_33, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_25, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_43, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_43, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_43, s.N_2, s.S_29),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_33, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_25, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_43, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_43, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_43, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_33, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_25, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_43, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_43, s.G, s.S_6),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_34, s.t_44, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_26, s.t_44, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
         """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_16, s.N_2),
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_12, s.N_2),
         ]
 
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_34, s.t_44, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_26, s.t_44, s.t_29, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
         """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_13, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_34, s.t_15, s.W_2),
+            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_26, s.t_15, s.W_2),
         ]
 
     def block__W_1__W_2__functional(s):
@@ -1638,22 +1569,22 @@ class mse_causal0(Forward):
     def jacobian__W_Q1(s):
         """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_35, s.t_4, s.dA, s.t_5, s.S_14, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_27, s.t_4, s.dA, s.t_5, s.S_10, s.N_1),
         ]
 
     def jacobian__W_Q2(s):
         """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_35, s.t_6, s.dA_2, s.t_5, s.S_14, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_27, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg,ncah->n|ch|gf', s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg,ncah->n|ch|gf', s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg->n|ca|gf', s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg->n|ca|gf', s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg,ncah->n|ch|gf', s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg,ncah->n|ch|gf', s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
         ]
 
     def jacobian__W_V(s):
@@ -1661,20 +1592,20 @@ class mse_causal0(Forward):
         return [
             net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
             net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'nab,cd,nbe,nadf->n|af|ec', s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1, 'nab,cd,nbe,nadf->n|af|ec', s.A2, s.W_O2, s.N_1, s.S_9),
+            net(1, 'nab,cd,nbe,nadf->n|af|ec', s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1, 'nab,cd,nbe,nadf->n|af|ec', s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_10, s.t_26),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_26),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_10, s.t_28),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_28),
         ]
 
     def jacobian__W_1(s):
@@ -2461,130 +2392,100 @@ class mse_causal1(Forward):
 
     @leaf
     def S_6(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_6', [
-            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_29, s.W_3),
+            net(1, 'nabc,nacd->ndab', s.S_3, s.S_5),
         ])
 
     @leaf
     def S_7(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_46, ONES, s.Y_2),
+            net(1, 'ab,nacd->ncdb', s.W_2, s.S_6),
         ])
 
     @leaf
     def S_8(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
-            net(1, 'nabc,nadb->nacd', s.S_7, s.S_6),
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc->nacb', s.S_7),
         ])
 
     @leaf
     def S_9(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (3 networks)."""
         return Compact('S_9', [
-            net(1, 'ab,ncda->ncdb', s.W_2, s.S_8),
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadb->nadc', s.S_8, s.S_7),
+            net(1, 'nabc->nacb', s.S_7),
         ])
 
     @leaf
     def S_10(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_10', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc->nacb', s.S_9),
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->abc', s.S, s.R),
         ])
 
     @leaf
     def S_11(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_11', [
-            net(1, 'nabc,nacd->ndab', s.S_3, s.S_5),
+            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
         ])
 
     @leaf
     def S_12(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'ab,nacd->ncdb', s.W_2, s.S_11),
+            net(1, 'nab->nab', s.t_50),
+            net(2, 'nab->nab', s.t_51),
         ])
 
     @leaf
     def S_13(s):
-        """A sum as a compact tensor (3 networks)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadb->nadc', s.S_10, s.S_12),
-            net(1, 'nabc->nacb', s.S_9),
+            net(1, 'nab->nab', s.t_52),
+            net(1, 'nab->nab', s.t_53),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->abc', s.S, s.R),
+            net(1, 'nab,cb->nabc', s.S_12, s.W_1),
+            net(1, 'nab,cb->nabc', s.S_13, s.W_3),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
+            net(1, 'ab,ncbd->ncad', s.W_1, s.S_14),
+            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_13, s.W_1),
         ])
 
     @leaf
     def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab->nab', s.t_50),
-            net(2, 'nab->nab', s.t_51),
+            net(1, 'nab,bc->nabc', s.t_54, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_56, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nadc->nabd', s.t_46, s.S_15, s.S_3),
         ])
 
     @leaf
     def S_17(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_17', [
-            net(1, 'nab->nab', s.t_52),
-            net(1, 'nab->nab', s.t_53),
-        ])
-
-    @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(1, 'nab,cb->nabc', s.S_16, s.W_1),
-            net(1, 'nab,cb->nabc', s.S_17, s.W_3),
-        ])
-
-    @leaf
-    def S_19(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
-            net(1, 'ab,ncbd->ncad', s.W_1, s.S_18),
-            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_17, s.W_1),
-        ])
-
-    @leaf
-    def S_20(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_20', [
-            net(1, 'nab,bc->nabc', s.t_54, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_56, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_46, s.S_19, s.S_7),
-        ])
-
-    @leaf
-    def S_21(s):
         """A sum as a compact tensor (4 networks)."""
-        return Compact('S_21', [
+        return Compact('S_17', [
             net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_58, ONES, s.Y_2),
-            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_19, s.S_7),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_20),
+            net(1/math.sqrt(s.d_K), 'nab,nabc,nadc->nabd', s.R_N_2, s.S_15, s.S_3),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
 
     @leaf
@@ -2597,10 +2498,10 @@ class mse_causal1(Forward):
         ])
 
     @leaf
-    def S_22(s):
+    def S_18(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_22', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_21, s.t_4, s.dA),
+        return Compact('S_18', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_4, s.dA),
             net(1, 'nabc->nabc', s.d2A),
         ])
 
@@ -2613,43 +2514,11 @@ class mse_causal1(Forward):
         ])
 
     @leaf
-    def S_23(s):
+    def S_19(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_23', [
-            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->bac', s.S, s.R),
-        ])
-
-    @leaf
-    def S_24(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_24', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_25(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_25', [
+        return Compact('S_19', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_26', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc->nabc', s.S_12),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_27', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_16),
-            net(1, 'ab,ncb->ncab', s.W_3, s.S_17),
         ])
 
     @leaf
@@ -2662,10 +2531,10 @@ class mse_causal1(Forward):
         ])
 
     @leaf
-    def S_28(s):
+    def S_20(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_28', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_30, s.S_21, s.t_6, s.dA_2),
+        return Compact('S_20', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_30, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -2679,22 +2548,22 @@ class mse_causal1(Forward):
         ])
 
     @leaf
-    def S_29(s):
+    def S_21(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_29', [
+        return Compact('S_21', [
             net(1, 'nab,bc->nabc', s.t_61, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_62, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_46, s.S_19, s.S_7),
+            net(2/s.d_V, 'nab,nabc,nadc->nabd', s.t_46, s.S_15, s.S_3),
         ])
 
     @leaf
-    def S_30(s):
+    def S_22(s):
         """A sum as a compact tensor (4 networks)."""
-        return Compact('S_30', [
+        return Compact('S_22', [
             net(1, 'nab,bc->nabc', s.t_63, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
-            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_19, s.S_7),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_29),
+            net(1, 'nab,nabc,nadc->nabd', s.R_N_2, s.S_15, s.S_3),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_21),
         ])
 
     @leaf
@@ -2707,474 +2576,467 @@ class mse_causal1(Forward):
         ])
 
     @leaf
-    def S_31(s):
+    def S_23(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_31', [
+        return Compact('S_23', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
             net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_46),
         ])
 
     @leaf
-    def S_32(s):
+    def S_24(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_32', [
+        return Compact('S_24', [
             net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de,naef->nabf', s.S_31, s.S_5, s.W_2, s.S_10),
-            net(2/(s.L*s.d_V), 'nabc->nacb', s.S_9),
+            net(1, 'nabc,nacd,de,naef->nabf', s.S_23, s.S_5, s.W_2, s.S_8),
+            net(2/(s.L*s.d_V), 'nabc->nacb', s.S_7),
         ])
 
     @leaf
-    def S_33(s):
+    def S_25(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_33', [
+        return Compact('S_25', [
             net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_31, s.S_5, s.W_2),
+            net(1, 'nabc,nacd,de->nabe', s.S_23, s.S_5, s.W_2),
         ])
 
     @leaf
-    def S_34(s):
+    def S_26(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_34', [
+        return Compact('S_26', [
             net(2/(s.L*s.d_V), 'nab->nab', s.t_47),
             net(2/(s.L*s.d_V), 'nab->nab', s.t_48),
         ])
 
     @leaf
-    def S_35(s):
+    def S_27(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_35', [
+        return Compact('S_27', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'nabc->nacb', s.S_9),
+            net(1/math.sqrt(s.d_K), 'nabc->nacb', s.S_7),
         ])
 
     @leaf
-    def S_36(s):
+    def S_28(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_36', [
-            net(1, 'abc,deb->ecad', s.S_14, s.S_24),
+        return Compact('S_28', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_66),
         ])
 
     @leaf
-    def S_37(s):
+    def S_29(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_37', [
-            net(1, 'nabc,db->nacd', s.S_21, s.t_66),
+        return Compact('S_29', [
+            net(1, 'nabc,nadc->ndab', s.S_3, s.S_14),
         ])
 
     @leaf
-    def S_38(s):
+    def S_30(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_38', [
-            net(1, 'nabc,nacd->ndab', s.S_3, s.S_27),
+        return Compact('S_30', [
+            net(1, 'nabc,db->nacd', s.S_17, s.t_67),
         ])
 
     @leaf
-    def S_39(s):
+    def S_31(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_39', [
-            net(1, 'nabc,db->nacd', s.S_21, s.t_67),
+        return Compact('S_31', [
+            net(1, 'nabc,db->nacd', s.S_22, s.t_66),
         ])
 
     @leaf
-    def S_40(s):
+    def S_32(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_40', [
-            net(1, 'nabc,db->nacd', s.S_30, s.t_66),
-        ])
-
-    @leaf
-    def S_41(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_41', [
-            net(1, 'nabc,db->nacd', s.S_30, s.t_67),
+        return Compact('S_32', [
+            net(1, 'nabc,db->nacd', s.S_22, s.t_67),
         ])
 
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_13, s.t_4, s.dA, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_9, s.t_4, s.dA, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
         """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_15, s.t_2, s.S_22, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_13, s.t_6, s.dA_2, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
         """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.S_21, s.t_6, s.dA_2, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
         ]
 
     def block__W_Q1__W_K__functional(s):
         """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_24, s.t_2, s.d2A, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_24, s.t_2, s.dA, s.t_3, s.S_21, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_24, s.t_2, s.dA, s.t_3, s.S_21, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_24, s.N_1, s.S_36),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nag,fgh,nfi->bd|ih', s.N_1, s.S_10, s.t_2, s.d2A, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_10, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_10, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,ecf,neg->bd|gf', s.N_1, s.S_10, s.t_24, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
         """H_o(W_Q1, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_24, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_37),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_24, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_37),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_24, s.t_2, s.dA, s.N_1, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_10, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_10, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_10, s.t_2, s.dA, s.N_1, s.t_25),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_13, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_9, s.t_26),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_24, s.t_2, s.dA, s.t_27, s.t_23),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_24, s.t_2, s.dA, s.t_27, s.W_O1, s.S_21, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_10, s.t_2, s.dA, s.t_27, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,gh,nahi,naj->bd|ji', s.N_1, s.S_10, s.t_2, s.dA, s.t_27, s.W_O1, s.S_17, s.t_26),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_13, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_9, s.t_28),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_24, s.t_2, s.dA, s.t_3, s.S_21, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nagh,nai->bd|ih', s.N_1, s.S_10, s.t_2, s.dA, s.t_3, s.S_17, s.t_28),
         ]
 
     def block__W_Q1__W_1__outer(s):
         """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_26, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,ih,nai,naj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_8, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q1__W_1__functional(s):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.N_2, s.S_29),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_26, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,ih,nai,naj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_8, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
         """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q1__W_2__outer(s):
         """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA, s.t_3, s.S_26, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA, s.t_3, s.S_8, s.t_15),
         ]
 
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_15, s.t_2, s.dA, s.t_3, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.G, s.S_6),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_13, s.t_6, s.dA_2, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
         """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_15, s.t_2, s.S_28, s.t_5, s.S_14, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_20, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,kjl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nagh->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nago,naho->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nhi,naij,nak,jkl,njm,nahg->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_24, s.t_2, s.d2A_2, s.t_8, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_30, s.S_21, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_30, s.S_21, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_31, s.N_1, s.S_36),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nag,fgh,nfi->bd|ih', s.N_1, s.S_10, s.t_2, s.d2A_2, s.t_8, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,ecf,neg->bd|gf', s.N_1, s.S_10, s.t_31, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagj->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,nagl,najl->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_24, s.t_2, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_39),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_24, s.t_2, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_39),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_24, s.t_2, s.dA_2, s.N_1, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_10, s.t_2, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_10, s.t_2, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_10, s.t_2, s.dA_2, s.N_1, s.t_32),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_13, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_26),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_30, s.S_21, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nagh,nai->bd|ih', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_30, s.S_17, s.t_26),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_13, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_9, s.t_28),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_27, s.t_23),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_24, s.t_2, s.dA_2, s.t_27, s.W_O2, s.S_21, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_27, s.t_23),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,gh,nahi,naj->bd|ji', s.N_1, s.S_10, s.t_2, s.dA_2, s.t_27, s.W_O2, s.S_17, s.t_28),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_26, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,ih,nai,naj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_8, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.N_2, s.S_29),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_26, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,ih,nai,naj->bc|ji', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_8, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_25, s.t_2, s.dA_2, s.t_30, s.S_26, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nahg,nai->bc|ih', s.N_1, s.S_19, s.t_2, s.dA_2, s.t_30, s.S_8, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_15, s.t_2, s.dA_2, s.t_30, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_30, s.G, s.S_6),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,kjl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_33, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,negh->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nego,neho->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,ijk,nil->bc|lk', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nhi,neij,nek,jkl,njm,nehg->bc|ml', s.N_1, s.S_2, s.t_34, s.dA_2, s.t_30, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_15, s.t_33, s.d2A_3, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_15, s.t_34, s.d2A_4, s.t_8, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_30, s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_30, s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,fgh,nfi->bc|ih', s.N_1, s.S_11, s.t_33, s.d2A_3, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_22, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_22, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,fgh,nfi->bc|ih', s.N_1, s.S_11, s.t_34, s.d2A_4, s.t_8, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_22, s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_22, s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negj->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,negl,nejl->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_15, s.t_33, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_15, s.t_33, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_15, s.t_33, s.dA, s.N_1, s.t_38),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_15, s.t_34, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_15, s.t_34, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_15, s.t_34, s.dA_2, s.N_1, s.t_39),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_33, s.dA, s.N_1, s.t_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.A1, s.W_O1, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.A2, s.W_O2, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_34, s.dA_2, s.N_1, s.t_39),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_13, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_13, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_9, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_9, s.t_26),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_15, s.t_33, s.dA, s.t_27, s.t_37),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_15, s.t_33, s.dA, s.t_27, s.W_O1, s.S_30, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_33, s.dA, s.t_27, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_33, s.dA, s.t_27, s.W_O1, s.S_22, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_22, s.t_26),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_13, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_13, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_9, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_9, s.t_28),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_30, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_27, s.t_37),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_27, s.W_O2, s.S_30, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_22, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_27, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_27, s.W_O2, s.S_22, s.t_28),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_26, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_26, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,ih,nei,nej->bc|ji', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_8, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,ih,nei,nej->bc|ji', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_8, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.N_2, s.S_38),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.N_2, s.S_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.N_2, s.S_29),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_26, s.W_2, s.t_29, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_26, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,ih,nei,nej->bc|ji', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_8, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,ih,nei,nej->bc|ji', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_8, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.S_3, s.W_1, s.S_17, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_33, s.dA, s.t_3, s.S_26, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_25, s.t_34, s.dA_2, s.t_30, s.S_26, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,nei->bc|ih', s.N_1, s.S_19, s.t_33, s.dA, s.t_3, s.S_8, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,nehg,nei->bc|ih', s.N_1, s.S_19, s.t_34, s.dA_2, s.t_30, s.S_8, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_15, s.t_33, s.dA, s.t_3, s.G, s.S_11),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_15, s.t_34, s.dA_2, s.t_30, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_33, s.dA, s.t_3, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_11, s.t_34, s.dA_2, s.t_30, s.G, s.S_6),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -3182,247 +3044,247 @@ class mse_causal1(Forward):
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1, s.S_7),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1),
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_12, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_12, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_9),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_9),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nceh->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_7, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,ncej,nchj->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_7, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1, s.S_7),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,gh,nfi,nche->bd|ig', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_30, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_30, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_30, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_30, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_22, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_22, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_22, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_22, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_13, s.t_26),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_13, s.t_26),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_26),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_26),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_40, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_30, s.t_26),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_30, s.t_26),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_26),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_26),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_13, s.t_28),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_13, s.t_28),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_28),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_28),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_41, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_30, s.t_28),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_30, s.t_28),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_28),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_28),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_26, s.W_2, s.S_4, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_26, s.W_2, s.S_4, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_8, s.W_2, s.S_4, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_8, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_29),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_29),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_26, s.W_2, s.t_29, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_26, s.W_2, s.t_29, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_8, s.W_2, s.t_29, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_8, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
         """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_15),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_15),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_8, s.t_15),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncfe,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_8, s.t_15),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A1, s.W_O1, s.G, s.S_11),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A2, s.W_O2, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A1, s.W_O1, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|gf', s.N_1, s.A2, s.W_O2, s.G, s.S_6),
         ]
 
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_32, s.t_26),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_24, s.t_26),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_30, s.t_26),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_22, s.t_26),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_32, s.t_28),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_24, s.t_28),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_30, s.t_28),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_22, s.t_28),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_33, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_25, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_42, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_42, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_42, s.N_2, s.S_29),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_33, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_42, s.S_25, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_42, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_42, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_42, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_33, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_42, s.S_25, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_42, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_42, s.G, s.S_6),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_32, s.t_28),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_24, s.t_28),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_30, s.t_28),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_22, s.t_28),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_33, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_25, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_43, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_43, s.N_2, s.S_38),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_43, s.N_2, s.S_29),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_33, s.W_2, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_43, s.S_25, s.W_2, s.t_29, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_43, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_43, s.S_3, s.W_1, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_43, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_33, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_43, s.S_25, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_43, s.G, s.S_11),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|dc', s.t_43, s.G, s.S_6),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_34, s.t_44, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_26, s.t_44, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
         """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_16, s.N_2),
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_12, s.N_2),
         ]
 
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_34, s.t_44, s.t_29, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_26, s.t_44, s.t_29, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
         """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_17, s.N_2),
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_13, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_34, s.t_15, s.W_2),
+            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_26, s.t_15, s.W_2),
         ]
 
     def block__W_1__W_2__functional(s):
@@ -3458,22 +3320,22 @@ class mse_causal1(Forward):
     def jacobian__W_Q1(s):
         """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_35, s.t_4, s.dA, s.t_5, s.S_14, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_27, s.t_4, s.dA, s.t_5, s.S_10, s.N_1),
         ]
 
     def jacobian__W_Q2(s):
         """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_35, s.t_6, s.dA_2, s.t_5, s.S_14, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_27, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_4, s.dA, s.t_7, s.S_23, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg,ncah->n|ch|gf', s.t_4, s.dA, s.t_7, s.S_23, s.N_1, s.S_9),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg,ncah->n|ch|gf', s.t_6, s.dA_2, s.t_8, s.S_23, s.N_1, s.S_9),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg->n|ca|gf', s.t_4, s.dA, s.t_7, s.S_10, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg->n|ca|gf', s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg,ncah->n|ch|gf', s.t_4, s.dA, s.t_7, s.S_10, s.N_1, s.S_7),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg,ncah->n|ch|gf', s.t_6, s.dA_2, s.t_8, s.S_10, s.N_1, s.S_7),
         ]
 
     def jacobian__W_V(s):
@@ -3481,20 +3343,20 @@ class mse_causal1(Forward):
         return [
             net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
             net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'nab,cd,nbe,nadf->n|af|ec', s.A1, s.W_O1, s.N_1, s.S_9),
-            net(1, 'nab,cd,nbe,nadf->n|af|ec', s.A2, s.W_O2, s.N_1, s.S_9),
+            net(1, 'nab,cd,nbe,nadf->n|af|ec', s.A1, s.W_O1, s.N_1, s.S_7),
+            net(1, 'nab,cd,nbe,nadf->n|af|ec', s.A2, s.W_O2, s.N_1, s.S_7),
         ]
 
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_10, s.t_26),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_26),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_10, s.t_28),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_28),
         ]
 
     def jacobian__W_1(s):
@@ -4318,98 +4180,67 @@ class ce_causal0(Forward):
     def S_8(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->abc', s.S, s.R),
         ])
 
     @leaf
     def S_9(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_9', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_48, ONES, s.Y_2),
+            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
         ])
 
     @leaf
     def S_10(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_10', [
-            net(1, 'nabc,nadb->nacd', s.S_9, s.S_8),
+            net(1, 'nab->nab', s.t_53),
+            net(2, 'nab->nab', s.t_54),
         ])
 
     @leaf
     def S_11(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_11', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,ncda->ncbd', s.W_2, s.S_10),
+            net(1, 'nab->nab', s.t_55),
+            net(1, 'nab->nab', s.t_56),
         ])
 
     @leaf
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->abc', s.S, s.R),
+            net(1, 'nab,cb->nabc', s.S_10, s.W_1),
+            net(1, 'nab,cb->nabc', s.S_11, s.W_3),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
+            net(1, 'ab,ncbd->ncad', s.W_1, s.S_12),
+            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_11, s.W_1),
         ])
 
     @leaf
     def S_14(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A sum as a compact tensor (3 networks)."""
         return Compact('S_14', [
-            net(1, 'nab->nab', s.t_53),
-            net(2, 'nab->nab', s.t_54),
+            net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_59, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nadc->nabd', s.t_48, s.S_13, s.S_3),
         ])
 
     @leaf
     def S_15(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_15', [
-            net(1, 'nab->nab', s.t_55),
-            net(1, 'nab->nab', s.t_56),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_16', [
-            net(1, 'nab,cb->nabc', s.S_14, s.W_1),
-            net(1, 'nab,cb->nabc', s.S_15, s.W_3),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_17', [
-            net(1, 'ab,ncbd->ncad', s.W_1, s.S_16),
-            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_15, s.W_1),
-        ])
-
-    @leaf
-    def S_18(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_18', [
-            net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_59, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_48, s.S_17, s.S_9),
-        ])
-
-    @leaf
-    def S_19(s):
         """A sum as a compact tensor (4 networks)."""
-        return Compact('S_19', [
+        return Compact('S_15', [
             net(1, 'nab,bc->nabc', s.t_60, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
-            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_17, s.S_9),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_18),
+            net(1/math.sqrt(s.d_K), 'nab,nabc,nadc->nabd', s.R_N_2, s.S_13, s.S_3),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_14),
         ])
 
     @leaf
@@ -4422,10 +4253,10 @@ class ce_causal0(Forward):
         ])
 
     @leaf
-    def S_20(s):
+    def S_16(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_19, s.t_6, s.dA),
+        return Compact('S_16', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_15, s.t_6, s.dA),
             net(1, 'nabc->nabc', s.d2A),
         ])
 
@@ -4438,35 +4269,11 @@ class ce_causal0(Forward):
         ])
 
     @leaf
-    def S_21(s):
+    def S_17(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_21', [
-            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->bac', s.S, s.R),
-        ])
-
-    @leaf
-    def S_22(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_22', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_23(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_23', [
+        return Compact('S_17', [
             net(1/(s.L*math.sqrt(s.d_K)), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
             net(1/(s.L*math.sqrt(s.d_K)), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_24(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_24', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_14),
-            net(1, 'ab,ncb->ncab', s.W_3, s.S_15),
         ])
 
     @leaf
@@ -4479,10 +4286,10 @@ class ce_causal0(Forward):
         ])
 
     @leaf
-    def S_25(s):
+    def S_18(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_25', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_33, s.S_19, s.t_8, s.dA_3),
+        return Compact('S_18', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_33, s.S_15, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -4496,22 +4303,22 @@ class ce_causal0(Forward):
         ])
 
     @leaf
-    def S_26(s):
+    def S_19(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_26', [
+        return Compact('S_19', [
             net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_48, s.S_17, s.S_9),
+            net(2/s.d_V, 'nab,nabc,nadc->nabd', s.t_48, s.S_13, s.S_3),
         ])
 
     @leaf
-    def S_27(s):
+    def S_20(s):
         """A sum as a compact tensor (4 networks)."""
-        return Compact('S_27', [
+        return Compact('S_20', [
             net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
-            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_17, s.S_9),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_26),
+            net(1, 'nab,nabc,nadc->nabd', s.R_N_2, s.S_13, s.S_3),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_19),
         ])
 
     @leaf
@@ -4524,447 +4331,440 @@ class ce_causal0(Forward):
         ])
 
     @leaf
-    def S_28(s):
+    def S_21(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_28', [
+        return Compact('S_21', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
             net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
-    def S_29(s):
+    def S_22(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_29', [
+        return Compact('S_22', [
             net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_28, s.S_5, s.W_2),
+            net(1, 'nabc,nacd,de->nabe', s.S_21, s.S_5, s.W_2),
         ])
 
     @leaf
-    def S_30(s):
+    def S_23(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_30', [
+        return Compact('S_23', [
             net(1/s.L, 'nab->nab', s.t_49),
             net(1/s.L, 'nab->nab', s.t_50),
         ])
 
     @leaf
-    def S_31(s):
+    def S_24(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_31', [
+        return Compact('S_24', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,ncda->ncbd', s.W_2, s.S_10),
+            net(1/math.sqrt(s.d_K), 'ab,nacd->ncbd', s.W_2, s.S_6),
         ])
 
     @leaf
-    def S_32(s):
+    def S_25(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_32', [
-            net(1, 'nabc,nadb->nacd', s.S_11, s.dA_2),
+        return Compact('S_25', [
+            net(1, 'nabc,nadc->nabd', s.S_7, s.dA_2),
         ])
 
     @leaf
-    def S_33(s):
+    def S_26(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_33', [
-            net(1, 'nabc,dc,naed->naeb', s.dA_2, s.W_2, s.S_10),
+        return Compact('S_26', [
+            net(1, 'nabc,dc,ndae->naeb', s.dA_2, s.W_2, s.S_6),
         ])
 
     @leaf
-    def S_34(s):
+    def S_27(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_34', [
-            net(1, 'abc,deb->ecad', s.S_12, s.S_22),
+        return Compact('S_27', [
+            net(1, 'nabc,db->nacd', s.S_15, s.t_69),
         ])
 
     @leaf
-    def S_35(s):
+    def S_28(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_35', [
-            net(1, 'nabc,db->nacd', s.S_19, s.t_69),
+        return Compact('S_28', [
+            net(1, 'nabc,nadc->ndab', s.S_3, s.S_12),
         ])
 
     @leaf
-    def S_36(s):
+    def S_29(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_36', [
-            net(1, 'nabc,nacd->ndab', s.S_3, s.S_24),
+        return Compact('S_29', [
+            net(1, 'nabc,db->nacd', s.S_15, s.t_70),
         ])
 
     @leaf
-    def S_37(s):
+    def S_30(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_37', [
-            net(1, 'nabc,db->nacd', s.S_19, s.t_70),
+        return Compact('S_30', [
+            net(1, 'nabc,db->nacd', s.S_20, s.t_69),
         ])
 
     @leaf
-    def S_38(s):
+    def S_31(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_38', [
-            net(1, 'nabc,db->nacd', s.S_27, s.t_69),
-        ])
-
-    @leaf
-    def S_39(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_39', [
-            net(1, 'nabc,db->nacd', s.S_27, s.t_70),
+        return Compact('S_31', [
+            net(1, 'nabc,db->nacd', s.S_20, s.t_70),
         ])
 
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_7, s.S_12, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_7, s.S_8, s.N_1, s.S_25),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
         """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_13, s.t_2, s.S_20, s.t_7, s.S_12, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_9, s.t_2, s.S_16, s.t_7, s.S_8, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_12, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_8, s.N_1, s.S_25),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
         """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.S_19, s.t_8, s.dA_3, s.t_7, s.S_12, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.S_15, s.t_8, s.dA_3, s.t_7, s.S_8, s.N_1),
         ]
 
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,klm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,klm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,klm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,klm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_26),
         ]
 
     def block__W_Q1__W_K__functional(s):
         """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_22, s.t_2, s.d2A, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_22, s.t_2, s.dA, s.t_3, s.S_19, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_22, s.t_2, s.dA, s.t_3, s.S_19, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_27, s.N_1, s.S_34),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nag,fgh,nfi->bd|ih', s.N_1, s.S_8, s.t_2, s.d2A, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_8, s.t_2, s.dA, s.t_3, s.S_15, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_8, s.t_2, s.dA, s.t_3, s.S_15, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,ecf,neg->bd|gf', s.N_1, s.S_8, s.t_27, s.S_8, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
         """H_o(W_Q1, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_22, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_35),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_22, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_35),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_22, s.t_2, s.dA, s.N_1, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_8, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_27),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_8, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_27),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_8, s.t_2, s.dA, s.N_1, s.t_28),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_29, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_22, s.t_2, s.dA, s.t_30, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_22, s.t_2, s.dA, s.t_30, s.W_O1, s.S_19, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_8, s.t_2, s.dA, s.t_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,gh,nahi,naj->bd|ji', s.N_1, s.S_8, s.t_2, s.dA, s.t_30, s.W_O1, s.S_15, s.t_29),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_22, s.t_2, s.dA, s.t_3, s.S_19, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nagh,nai->bd|ih', s.N_1, s.S_8, s.t_2, s.dA, s.t_3, s.S_15, s.t_31),
         ]
 
     def block__W_Q1__W_1__outer(s):
         """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q1__W_1__functional(s):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.N_2, s.S_28),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
         """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_Q1__W_2__outer(s):
         """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.G, s.S_6),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_12, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_8, s.N_1, s.S_25),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
         """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_13, s.t_2, s.S_25, s.t_7, s.S_12, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_9, s.t_2, s.S_18, s.t_7, s.S_8, s.N_1),
         ]
 
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,klm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,klm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,klm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,klm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_26),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_22, s.t_2, s.d2A_2, s.t_10, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_33, s.S_19, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_33, s.S_19, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_34, s.N_1, s.S_34),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nag,fgh,nfi->bd|ih', s.N_1, s.S_8, s.t_2, s.d2A_2, s.t_10, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_33, s.S_15, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_33, s.S_15, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,ecf,neg->bd|gf', s.N_1, s.S_8, s.t_34, s.S_8, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_22, s.t_2, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_37),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_22, s.t_2, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_37),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_22, s.t_2, s.dA_3, s.N_1, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_8, s.t_2, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_29),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_8, s.t_2, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_29),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_8, s.t_2, s.dA_3, s.N_1, s.t_35),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_29, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_33, s.S_19, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nagh,nai->bd|ih', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_33, s.S_15, s.t_29),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_30, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_30, s.W_O2, s.S_19, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,gh,nahi,naj->bd|ji', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_30, s.W_O2, s.S_15, s.t_31),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.N_2, s.S_28),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.G, s.S_6),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,klm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,klm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,klm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,klm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,klm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,klm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,klm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,klm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_26),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_13, s.t_36, s.d2A_3, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_27, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_27, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_13, s.t_37, s.d2A_4, s.t_10, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_27, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_27, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,fgh,nfi->bc|ih', s.N_1, s.S_9, s.t_36, s.d2A_3, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_20, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_20, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,fgh,nfi->bc|ih', s.N_1, s.S_9, s.t_37, s.d2A_4, s.t_10, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_20, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_20, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_13, s.t_36, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_38),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_13, s.t_36, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_38),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_13, s.t_36, s.dA, s.N_1, s.t_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_13, s.t_37, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_39),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_13, s.t_37, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_39),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_13, s.t_37, s.dA_3, s.N_1, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_9, s.t_36, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_9, s.t_36, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_9, s.t_36, s.dA, s.N_1, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_9, s.t_37, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_9, s.t_37, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_9, s.t_37, s.dA_3, s.N_1, s.t_42),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_29, s.S_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_29, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_29, s.S_25),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_13, s.t_36, s.dA, s.t_30, s.t_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_13, s.t_36, s.dA, s.t_30, s.W_O1, s.S_27, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_27, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_9, s.t_36, s.dA, s.t_30, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_9, s.t_36, s.dA, s.t_30, s.W_O1, s.S_20, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_20, s.t_29),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_31, s.S_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_31, s.S_25),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_27, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_30, s.t_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_30, s.W_O2, s.S_27, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_20, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_30, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_30, s.W_O2, s.S_20, s.t_31),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.N_2, s.S_36),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.N_2, s.S_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.N_2, s.S_28),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_3, s.W_1, s.S_15, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_3, s.W_1, s.S_11, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.G, s.S_6),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.G, s.S_6),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -4972,51 +4772,51 @@ class ce_causal0(Forward):
         return [
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_27, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_27, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_27, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_27, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_20, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_20, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_20, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_20, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.t_29, s.S_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.t_29, s.S_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.t_29, s.S_25),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_43, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_27, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_27, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_20, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_20, s.t_29),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.t_31, s.S_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.t_31, s.S_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.t_31, s.S_25),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_44, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_27, s.t_31),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_27, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_20, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_20, s.t_31),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -5030,9 +4830,9 @@ class ce_causal0(Forward):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_28),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_28),
         ]
 
     def block__W_V__W_3__outer(s):
@@ -5046,9 +4846,9 @@ class ce_causal0(Forward):
         """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_11, s.N_2),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_V__W_2__outer(s):
@@ -5068,57 +4868,57 @@ class ce_causal0(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_29, s.t_5, s.t_29, s.S_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_22, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_27, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_20, s.t_29),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_29, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_22, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_27, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_20, s.t_31),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_29, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_22, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_45, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_45, s.N_2, s.S_28),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_29, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_22, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_45, s.S_29, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_45, s.S_22, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O1__W_2__functional(s):
@@ -5130,45 +4930,45 @@ class ce_causal0(Forward):
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_46, s.S_29, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_46, s.S_22, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_46, s.S_27, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_46, s.S_20, s.t_31),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_29, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_22, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_46, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_46, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_46, s.N_2, s.S_28),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_29, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_22, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_46, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_46, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_46, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_46, s.S_29, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_46, s.S_22, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O2__W_2__functional(s):
@@ -5180,31 +4980,31 @@ class ce_causal0(Forward):
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_30, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_23, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
         """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_14, s.N_2),
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_10, s.N_2),
         ]
 
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_30, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_23, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
         """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_11, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_30, s.W_2, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_23, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_1__W_2__functional(s):
@@ -5240,22 +5040,22 @@ class ce_causal0(Forward):
     def jacobian__W_Q1(s):
         """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_6, s.dA, s.t_7, s.S_12, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_24, s.t_6, s.dA, s.t_7, s.S_8, s.N_1),
         ]
 
     def jacobian__W_Q2(s):
         """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_8, s.dA_3, s.t_7, s.S_12, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_24, s.t_8, s.dA_3, s.t_7, s.S_8, s.N_1),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_10),
-            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_10),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,fgh,nfi,naec->n|eb|ih', s.W_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_6),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,fgh,nfi,naec->n|eb|ih', s.W_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_6),
         ]
 
     def jacobian__W_V(s):
@@ -5263,20 +5063,20 @@ class ce_causal0(Forward):
         return [
             net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
             net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A1, s.W_O1, s.N_1, s.S_10),
-            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A2, s.W_O2, s.N_1, s.S_10),
+            net(1, 'ab,ncd,ef,ndg,nacf->n|cb|ge', s.W_2, s.A1, s.W_O1, s.N_1, s.S_6),
+            net(1, 'ab,ncd,ef,ndg,nacf->n|cb|ge', s.W_2, s.A2, s.W_O2, s.N_1, s.S_6),
         ]
 
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_11, s.t_29),
+            net(1, 'nabc,nad->n|ac|db', s.S_7, s.t_29),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_11, s.t_31),
+            net(1, 'nabc,nad->n|ac|db', s.S_7, s.t_31),
         ]
 
     def jacobian__W_1(s):
@@ -6100,98 +5900,67 @@ class ce_causal1(Forward):
     def S_8(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->abc', s.S, s.R),
         ])
 
     @leaf
     def S_9(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_9', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_48, ONES, s.Y_2),
+            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
         ])
 
     @leaf
     def S_10(s):
-        """A product several terms share as a compact tensor (1 network)."""
+        """A sum as a compact tensor (2 networks)."""
         return Compact('S_10', [
-            net(1, 'nabc,nadb->nacd', s.S_9, s.S_8),
+            net(1, 'nab->nab', s.t_53),
+            net(2, 'nab->nab', s.t_54),
         ])
 
     @leaf
     def S_11(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_11', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,ncda->ncbd', s.W_2, s.S_10),
+            net(1, 'nab->nab', s.t_55),
+            net(1, 'nab->nab', s.t_56),
         ])
 
     @leaf
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->abc', s.S, s.R),
+            net(1, 'nab,cb->nabc', s.S_10, s.W_1),
+            net(1, 'nab,cb->nabc', s.S_11, s.W_3),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
+            net(1, 'ab,ncbd->ncad', s.W_1, s.S_12),
+            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_11, s.W_1),
         ])
 
     @leaf
     def S_14(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A sum as a compact tensor (3 networks)."""
         return Compact('S_14', [
-            net(1, 'nab->nab', s.t_53),
-            net(2, 'nab->nab', s.t_54),
+            net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_59, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nadc->nabd', s.t_48, s.S_13, s.S_3),
         ])
 
     @leaf
     def S_15(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_15', [
-            net(1, 'nab->nab', s.t_55),
-            net(1, 'nab->nab', s.t_56),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_16', [
-            net(1, 'nab,cb->nabc', s.S_14, s.W_1),
-            net(1, 'nab,cb->nabc', s.S_15, s.W_3),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_17', [
-            net(1, 'ab,ncbd->ncad', s.W_1, s.S_16),
-            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_15, s.W_1),
-        ])
-
-    @leaf
-    def S_18(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_18', [
-            net(1, 'nab,bc->nabc', s.t_57, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_59, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_48, s.S_17, s.S_9),
-        ])
-
-    @leaf
-    def S_19(s):
         """A sum as a compact tensor (4 networks)."""
-        return Compact('S_19', [
+        return Compact('S_15', [
             net(1, 'nab,bc->nabc', s.t_60, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
-            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_17, s.S_9),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_18),
+            net(1/math.sqrt(s.d_K), 'nab,nabc,nadc->nabd', s.R_N_2, s.S_13, s.S_3),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_14),
         ])
 
     @leaf
@@ -6204,10 +5973,10 @@ class ce_causal1(Forward):
         ])
 
     @leaf
-    def S_20(s):
+    def S_16(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_19, s.t_6, s.dA),
+        return Compact('S_16', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_15, s.t_6, s.dA),
             net(1, 'nabc->nabc', s.d2A),
         ])
 
@@ -6220,35 +5989,11 @@ class ce_causal1(Forward):
         ])
 
     @leaf
-    def S_21(s):
+    def S_17(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_21', [
-            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->bac', s.S, s.R),
-        ])
-
-    @leaf
-    def S_22(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_22', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_23(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_23', [
+        return Compact('S_17', [
             net(1/(s.L*math.sqrt(s.d_K)), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
             net(1/(s.L*math.sqrt(s.d_K)), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_24(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_24', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_14),
-            net(1, 'ab,ncb->ncab', s.W_3, s.S_15),
         ])
 
     @leaf
@@ -6261,10 +6006,10 @@ class ce_causal1(Forward):
         ])
 
     @leaf
-    def S_25(s):
+    def S_18(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_25', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_33, s.S_19, s.t_8, s.dA_3),
+        return Compact('S_18', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_33, s.S_15, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -6278,22 +6023,22 @@ class ce_causal1(Forward):
         ])
 
     @leaf
-    def S_26(s):
+    def S_19(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_26', [
+        return Compact('S_19', [
             net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_48, s.S_17, s.S_9),
+            net(2/s.d_V, 'nab,nabc,nadc->nabd', s.t_48, s.S_13, s.S_3),
         ])
 
     @leaf
-    def S_27(s):
+    def S_20(s):
         """A sum as a compact tensor (4 networks)."""
-        return Compact('S_27', [
+        return Compact('S_20', [
             net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
-            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_17, s.S_9),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_26),
+            net(1, 'nab,nabc,nadc->nabd', s.R_N_2, s.S_13, s.S_3),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_19),
         ])
 
     @leaf
@@ -6306,447 +6051,440 @@ class ce_causal1(Forward):
         ])
 
     @leaf
-    def S_28(s):
+    def S_21(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_28', [
+        return Compact('S_21', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
             net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_48),
         ])
 
     @leaf
-    def S_29(s):
+    def S_22(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_29', [
+        return Compact('S_22', [
             net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_28, s.S_5, s.W_2),
+            net(1, 'nabc,nacd,de->nabe', s.S_21, s.S_5, s.W_2),
         ])
 
     @leaf
-    def S_30(s):
+    def S_23(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_30', [
+        return Compact('S_23', [
             net(1/s.L, 'nab->nab', s.t_49),
             net(1/s.L, 'nab->nab', s.t_50),
         ])
 
     @leaf
-    def S_31(s):
+    def S_24(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_31', [
+        return Compact('S_24', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,ncda->ncbd', s.W_2, s.S_10),
+            net(1/math.sqrt(s.d_K), 'ab,nacd->ncbd', s.W_2, s.S_6),
         ])
 
     @leaf
-    def S_32(s):
+    def S_25(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_32', [
-            net(1, 'nabc,nadb->nacd', s.S_11, s.dA_2),
+        return Compact('S_25', [
+            net(1, 'nabc,nadc->nabd', s.S_7, s.dA_2),
         ])
 
     @leaf
-    def S_33(s):
+    def S_26(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_33', [
-            net(1, 'nabc,dc,naed->naeb', s.dA_2, s.W_2, s.S_10),
+        return Compact('S_26', [
+            net(1, 'nabc,dc,ndae->naeb', s.dA_2, s.W_2, s.S_6),
         ])
 
     @leaf
-    def S_34(s):
+    def S_27(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_34', [
-            net(1, 'abc,deb->ecad', s.S_12, s.S_22),
+        return Compact('S_27', [
+            net(1, 'nabc,db->nacd', s.S_15, s.t_69),
         ])
 
     @leaf
-    def S_35(s):
+    def S_28(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_35', [
-            net(1, 'nabc,db->nacd', s.S_19, s.t_69),
+        return Compact('S_28', [
+            net(1, 'nabc,nadc->ndab', s.S_3, s.S_12),
         ])
 
     @leaf
-    def S_36(s):
+    def S_29(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_36', [
-            net(1, 'nabc,nacd->ndab', s.S_3, s.S_24),
+        return Compact('S_29', [
+            net(1, 'nabc,db->nacd', s.S_15, s.t_70),
         ])
 
     @leaf
-    def S_37(s):
+    def S_30(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_37', [
-            net(1, 'nabc,db->nacd', s.S_19, s.t_70),
+        return Compact('S_30', [
+            net(1, 'nabc,db->nacd', s.S_20, s.t_69),
         ])
 
     @leaf
-    def S_38(s):
+    def S_31(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_38', [
-            net(1, 'nabc,db->nacd', s.S_27, s.t_69),
-        ])
-
-    @leaf
-    def S_39(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_39', [
-            net(1, 'nabc,db->nacd', s.S_27, s.t_70),
+        return Compact('S_31', [
+            net(1, 'nabc,db->nacd', s.S_20, s.t_70),
         ])
 
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_7, s.S_12, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_7, s.S_8, s.N_1, s.S_25),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
         """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_13, s.t_2, s.S_20, s.t_7, s.S_12, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_9, s.t_2, s.S_16, s.t_7, s.S_8, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_12, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_8, s.N_1, s.S_25),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
         """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.S_19, s.t_8, s.dA_3, s.t_7, s.S_12, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.S_15, s.t_8, s.dA_3, s.t_7, s.S_8, s.N_1),
         ]
 
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,klm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,klm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,klm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,klm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_26),
         ]
 
     def block__W_Q1__W_K__functional(s):
         """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_22, s.t_2, s.d2A, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_22, s.t_2, s.dA, s.t_3, s.S_19, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_22, s.t_2, s.dA, s.t_3, s.S_19, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_27, s.N_1, s.S_34),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nag,fgh,nfi->bd|ih', s.N_1, s.S_8, s.t_2, s.d2A, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_8, s.t_2, s.dA, s.t_3, s.S_15, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_8, s.t_2, s.dA, s.t_3, s.S_15, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,ecf,neg->bd|gf', s.N_1, s.S_8, s.t_27, s.S_8, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
         """H_o(W_Q1, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_22, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_35),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_22, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_35),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_22, s.t_2, s.dA, s.N_1, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_8, s.t_2, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_27),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_8, s.t_2, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_27),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_8, s.t_2, s.dA, s.N_1, s.t_28),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_29, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_22, s.t_2, s.dA, s.t_30, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_22, s.t_2, s.dA, s.t_30, s.W_O1, s.S_19, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_8, s.t_2, s.dA, s.t_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,gh,nahi,naj->bd|ji', s.N_1, s.S_8, s.t_2, s.dA, s.t_30, s.W_O1, s.S_15, s.t_29),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_22, s.t_2, s.dA, s.t_3, s.S_19, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nagh,nai->bd|ih', s.N_1, s.S_8, s.t_2, s.dA, s.t_3, s.S_15, s.t_31),
         ]
 
     def block__W_Q1__W_1__outer(s):
         """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q1__W_1__functional(s):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.N_2, s.S_28),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
         """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_Q1__W_2__outer(s):
         """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_23, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_17, s.t_2, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_13, s.t_2, s.dA, s.t_3, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_9, s.t_2, s.dA, s.t_3, s.G, s.S_6),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_12, s.N_1, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nkl,alm,nao,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_7, s.S_8, s.N_1, s.S_25),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
         """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_13, s.t_2, s.S_25, s.t_7, s.S_12, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_9, s.t_2, s.S_18, s.t_7, s.S_8, s.N_1),
         ]
 
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,lkm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,klm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,klm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,klm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nij,najk,nal,klm,nko,naih->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_26),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_22, s.t_2, s.d2A_2, s.t_10, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_33, s.S_19, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_33, s.S_19, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,nac,ncd,efca->be|df', s.N_1, s.t_34, s.N_1, s.S_34),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nag,fgh,nfi->bd|ih', s.N_1, s.S_8, s.t_2, s.d2A_2, s.t_10, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_33, s.S_15, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nce,naef,nfg,nagh,nhi,naij,nak,jkl,njm->bd|ml', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_33, s.S_15, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,ecf,neg->bd|gf', s.N_1, s.S_8, s.t_34, s.S_8, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,jk,nil,nakh->bc|lj', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_22, s.t_2, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_37),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ij,nhk,najg->bc|ki', s.N_1, s.S_22, s.t_2, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_37),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_22, s.t_2, s.dA_3, s.N_1, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_8, s.t_2, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_29),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah,ij,nhk,najg->bd|ki', s.N_1, s.S_8, s.t_2, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_29),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_8, s.t_2, s.dA_3, s.N_1, s.t_35),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_29, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_33, s.S_19, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nagh,nai->bd|ih', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_33, s.S_15, s.t_29),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nai,najh->bc|ij', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_30, s.t_26),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_22, s.t_2, s.dA_3, s.t_30, s.W_O2, s.S_19, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,nah->bd|gh', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_30, s.t_26),
+            net(1/s.n_batch, 'nab,acd,nce,naef,nfg,gh,nahi,naj->bd|ji', s.N_1, s.S_8, s.t_2, s.dA_3, s.t_30, s.W_O2, s.S_15, s.t_31),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|hi', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.N_2, s.S_28),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_23, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_17, s.t_2, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_13, s.t_2, s.dA_3, s.t_33, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,niag->bc|ih', s.N_1, s.S_9, s.t_2, s.dA_3, s.t_33, s.G, s.S_6),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,lkm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,klm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,klm,nko->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,klm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,klm,nko,neih->bc|om', s.N_1, s.S_2, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,klm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,klm,nko->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,klm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nij,nejk,nel,klm,nko,neih->bc|om', s.N_1, s.S_2, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_26),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_13, s.t_36, s.d2A_3, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_27, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_27, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_13, s.t_37, s.d2A_4, s.t_10, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_27, s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_27, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,fgh,nfi->bc|ih', s.N_1, s.S_9, s.t_36, s.d2A_3, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_20, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_20, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,fgh,nfi->bc|ih', s.N_1, s.S_9, s.t_37, s.d2A_4, s.t_10, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_20, s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,jkl,njm->bc|ml', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_20, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,jk,nil,nekh->bc|lj', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_13, s.t_36, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_38),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_13, s.t_36, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_38),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_13, s.t_36, s.dA, s.N_1, s.t_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_13, s.t_37, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_39),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_13, s.t_37, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_39),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_13, s.t_37, s.dA_3, s.N_1, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_9, s.t_36, s.dA, s.N_1, s.A1, s.W_O1, s.N_1, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_9, s.t_36, s.dA, s.N_1, s.A2, s.W_O2, s.N_1, s.S_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_9, s.t_36, s.dA, s.N_1, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_9, s.t_37, s.dA_3, s.N_1, s.A1, s.W_O1, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ij,nhk,nejg->bc|ki', s.N_1, s.S_9, s.t_37, s.dA_3, s.N_1, s.A2, s.W_O2, s.N_1, s.S_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_9, s.t_37, s.dA_3, s.N_1, s.t_42),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_29, s.S_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_29, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_29, s.S_25),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_13, s.t_36, s.dA, s.t_30, s.t_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_13, s.t_36, s.dA, s.t_30, s.W_O1, s.S_27, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_27, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_9, s.t_36, s.dA, s.t_30, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_9, s.t_36, s.dA, s.t_30, s.W_O1, s.S_20, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_20, s.t_29),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_31, s.S_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.t_31, s.S_25),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nei,nejh->bc|ij', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_27, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_30, s.t_40),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_30, s.W_O2, s.S_27, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_20, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_30, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_30, s.W_O2, s.S_20, s.t_31),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.N_2, s.S_36),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.N_2, s.S_28),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|hi', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.N_2, s.S_28),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.S_3, s.W_1, s.S_15, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.S_3, s.W_1, s.S_11, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_23, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_23, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_17, s.t_36, s.dA, s.t_3, s.S_7, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_17, s.t_37, s.dA_3, s.t_33, s.S_7, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_13, s.t_36, s.dA, s.t_3, s.G, s.S_6),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_13, s.t_37, s.dA_3, s.t_33, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_9, s.t_36, s.dA, s.t_3, s.G, s.S_6),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,nieg->bc|ih', s.N_1, s.S_9, s.t_37, s.dA_3, s.t_33, s.G, s.S_6),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -6754,51 +6492,51 @@ class ce_causal1(Forward):
         return [
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
             net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_33),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_33),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.A1, s.W_O1, s.N_1, s.S_26),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,hi,ngj,ncif->bd|jh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.A2, s.W_O2, s.N_1, s.S_26),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_27, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_27, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_27, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_27, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_20, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_20, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_20, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_20, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.t_29, s.S_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.t_29, s.S_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.t_29, s.S_25),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_43, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_27, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_27, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_20, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_20, s.t_29),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.t_31, s.S_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.t_31, s.S_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A1, s.W_O1, s.S_7, s.t_5, s.t_31, s.S_25),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncg,nchf->bd|gh', s.N_1, s.A2, s.W_O2, s.S_7, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_44, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_27, s.t_31),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_27, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_20, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_20, s.t_31),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -6812,9 +6550,9 @@ class ce_causal1(Forward):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A1, s.W_O1, s.N_2, s.S_28),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,nca,de,ncf,ngce->bd|fg', s.N_1, s.A2, s.W_O2, s.N_2, s.S_28),
         ]
 
     def block__W_V__W_3__outer(s):
@@ -6828,9 +6566,9 @@ class ce_causal1(Forward):
         """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_11, s.N_2),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_V__W_2__outer(s):
@@ -6850,57 +6588,57 @@ class ce_causal1(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_29, s.t_5, s.t_29, s.S_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_22, s.t_5, s.t_29, s.S_25),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_27, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_20, s.t_29),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_29, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_45, s.S_22, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_27, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_45, s.S_20, s.t_31),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_29, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_22, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_45, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_45, s.N_2, s.S_28),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_29, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_45, s.S_22, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_45, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_45, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_45, s.S_29, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_45, s.S_22, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O1__W_2__functional(s):
@@ -6912,45 +6650,45 @@ class ce_causal1(Forward):
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_46, s.S_29, s.t_5, s.t_31, s.S_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbfd->ac|ef', s.t_46, s.S_22, s.t_5, s.t_31, s.S_25),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_46, s.S_27, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_46, s.S_20, s.t_31),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_29, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_22, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_46, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_46, s.N_2, s.S_36),
+            net(1/s.n_batch, 'nab,nbc,ndbe->ae|cd', s.t_46, s.N_2, s.S_28),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_29, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_46, s.S_22, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_46, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_46, s.S_3, s.W_1, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_46, s.S_3, s.W_1, s.S_11, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_46, s.S_29, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_46, s.S_22, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O2__W_2__functional(s):
@@ -6962,31 +6700,31 @@ class ce_causal1(Forward):
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_30, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_23, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
         """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_14, s.N_2),
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_10, s.N_2),
         ]
 
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_30, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_23, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
         """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_15, s.N_2),
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_11, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_30, s.W_2, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_23, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_1__W_2__functional(s):
@@ -7022,22 +6760,22 @@ class ce_causal1(Forward):
     def jacobian__W_Q1(s):
         """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_6, s.dA, s.t_7, s.S_12, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_24, s.t_6, s.dA, s.t_7, s.S_8, s.N_1),
         ]
 
     def jacobian__W_Q2(s):
         """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_8, s.dA_3, s.t_7, s.S_12, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_24, s.t_8, s.dA_3, s.t_7, s.S_8, s.N_1),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_21, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_6, s.dA, s.t_9, s.S_21, s.N_1, s.S_10),
-            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,gfh,nfi,neca->n|eb|ih', s.W_2, s.t_8, s.dA_3, s.t_10, s.S_21, s.N_1, s.S_10),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_8, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,def,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,fgh,nfi,naec->n|eb|ih', s.W_2, s.t_6, s.dA, s.t_9, s.S_8, s.N_1, s.S_6),
+            net(1/math.sqrt(s.d_K), 'ab,ncd,nedf,neg,fgh,nfi,naec->n|eb|ih', s.W_2, s.t_8, s.dA_3, s.t_10, s.S_8, s.N_1, s.S_6),
         ]
 
     def jacobian__W_V(s):
@@ -7045,20 +6783,20 @@ class ce_causal1(Forward):
         return [
             net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
             net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A1, s.W_O1, s.N_1, s.S_10),
-            net(1, 'ab,ncd,ef,ndg,ncfa->n|cb|ge', s.W_2, s.A2, s.W_O2, s.N_1, s.S_10),
+            net(1, 'ab,ncd,ef,ndg,nacf->n|cb|ge', s.W_2, s.A1, s.W_O1, s.N_1, s.S_6),
+            net(1, 'ab,ncd,ef,ndg,nacf->n|cb|ge', s.W_2, s.A2, s.W_O2, s.N_1, s.S_6),
         ]
 
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_11, s.t_29),
+            net(1, 'nabc,nad->n|ac|db', s.S_7, s.t_29),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_11, s.t_31),
+            net(1, 'nabc,nad->n|ac|db', s.S_7, s.t_31),
         ]
 
     def jacobian__W_1(s):
@@ -7230,4 +6968,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "0251b7f70c131061fc0cbc1d"
+CHECKSUM = "6ea0a7ac9e7c4d5c54c04a5b"

@@ -398,57 +398,49 @@ class mse_bias0_causal0(Forward):
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_28, ONES, s.M_N_2),
-        ])
-
-    @leaf
-    def S_4(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_5(s):
+    def S_4(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_5', [
+        return Compact('S_4', [
             net(1, 'nab,cb,bd->nadc', s.t_9, s.W_1, s.W_2),
         ])
 
     @leaf
-    def S_6(s):
+    def S_5(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_6', [
+        return Compact('S_5', [
             net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
+            net(1, 'nabc,bd,naec->naed', s.S, s.S_3, s.S_4),
+        ])
+
+    @leaf
+    def S_6(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_6', [
+            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nade,nadc->nabe', s.S_2, s.S_5, s.S_4),
+            net(2/(s.L*s.d_K*s.d_V), 'nabc,bd,naec->naed', s.S, s.S_3, s.S_4),
         ])
 
     @leaf
     def S_7(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_7', [
-            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nade,nadc->nabe', s.S_2, s.S_6, s.S_5),
-            net(2/(s.L*s.d_K*s.d_V), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
-        ])
-
-    @leaf
-    def S_8(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_8', [
+        return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
         ])
 
     @leaf
-    def S_9(s):
+    def S_8(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_9', [
+        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
             net(1, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_8),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
@@ -461,299 +453,291 @@ class mse_bias0_causal0(Forward):
         ])
 
     @leaf
-    def S_10(s):
+    def S_9(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_9, s.S_4, s.t_4, s.dA),
+        return Compact('S_9', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_3, s.S_8, s.S_3, s.t_4, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_11(s):
+    def S_10(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_11', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_9, s.S_4, s.t_4, s.dA),
+        return Compact('S_10', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_3, s.S_8, s.S_3, s.t_4, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_12(s):
+    def S_11(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_12', [
+        return Compact('S_11', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
             net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
+    def S_12(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_12', [
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
+        ])
+
+    @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_11, s.S_4),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_16', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadc->nabd', s.S_12, s.S_5),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_17', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_18(s):
+    def S_16(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_18', [
+        return Compact('S_16', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
             net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_19(s):
+    def S_17(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
+        return Compact('S_17', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_20(s):
+    def S_18(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
+        return Compact('S_18', [
             net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadc->nabd', s.S_18, s.S_5),
+            net(1, 'nabc,nadc->nabd', s.S_16, s.S_4),
+        ])
+
+    @leaf
+    def S_19(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_19', [
+            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1/math.sqrt(s.d_K), 'nabc,bd,naec->naed', s.S, s.S_3, s.S_4),
+        ])
+
+    @leaf
+    def S_20(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_20', [
+            net(1, 'nabc,cd->nabd', s.S_11, s.W_1),
         ])
 
     @leaf
     def S_21(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_21', [
-            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
+            net(1, 'nabc,bd,ce->ndae', s.S, s.S_3, s.W_1),
         ])
 
     @leaf
     def S_22(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_22', [
-            net(1, 'nabc,cd->nabd', s.S_12, s.W_1),
+            net(1, 'nabc,cd,eb,fe->ndaf', s.S_8, s.S_3, s.S_13, s.W_V),
         ])
 
     @leaf
     def S_23(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_23', [
-            net(1, 'nabc,cd,be->ndae', s.S_3, s.S_13, s.W_1),
+            net(1, 'nabc,db->ncad', s.S, s.S_15),
         ])
 
     @leaf
     def S_24(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_24', [
-            net(1, 'nabc,cd,eb,fe->ndaf', s.S_9, s.S_13, s.S_15, s.W_V),
+            net(1, 'nabc,cd->nbad', s.S_16, s.W_1),
         ])
 
     @leaf
     def S_25(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_25', [
-            net(1, 'nabc,db->ncad', s.S, s.S_17),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_26', [
-            net(1, 'nabc,cd->nbad', s.S_18, s.W_1),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_27', [
-            net(1, 'nabc,db->ndca', s.S, s.S_4),
+            net(1, 'nabc,db->ndca', s.S, s.S_3),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_10, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_21, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_11, s.t_6, s.N_1),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,nai,nafg->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,ih,nai,naj,nafg,nkai->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_22, s.S_23),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,nah,niag->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_23),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,nai,nafg->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_20),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,ih,nai,naj,nafg,nkai->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_20, s.S_21),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,nah,niag->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_21),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_22, s.S_24),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_22, s.S_22),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_14, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_11, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_11, s.S_23),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_14, s.t_10),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_23),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_10, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_9, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_23, s.N_1, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,nbi,nbfg->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,ih,nbi,nbj,nbfg,nkbi->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_22, s.S_23),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,nbh,nibg->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_23),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,nbi,nbfg->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_20),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,ih,nbi,nbj,nbfg,nkbi->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_20, s.S_21),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,nbh,nibg->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_21),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_23, s.N_1, s.dA, s.N_1, s.t_22, s.S_24),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_23, s.N_1, s.dA, s.N_1, s.t_22, s.S_22),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_14, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.t_11, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.t_11, s.S_23),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_14, s.t_10),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_23),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_24, s.t_22, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbc,cd,nbe,nfbc->af|ed', s.t_24, s.t_9, s.W_2, s.t_22, s.S_26),
-            net(1/s.n_batch, 'nab,nbc,cd,ed,nbe,nbf,ngbe,nhbc->ah|fg', s.t_24, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_23, s.S_26),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,nbe,nfbc->ad|ef', s.t_24, s.W_2, s.t_9, s.t_22, s.S_23),
+            net(1/s.n_batch, 'nab,nbc,cd,nbe,nfbc->af|ed', s.t_24, s.t_9, s.W_2, s.t_22, s.S_24),
+            net(1/s.n_batch, 'nab,nbc,cd,ed,nbe,nbf,ngbe,nhbc->ah|fg', s.t_24, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_21, s.S_24),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,nbe,nfbc->ad|ef', s.t_24, s.W_2, s.t_9, s.t_22, s.S_21),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_19, s.S_9, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_17, s.S_8, s.t_22, s.S_3),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_20, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_18, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_24, s.t_11, s.S_27),
+            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_24, s.t_11, s.S_25),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_20, s.t_10),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_18, s.t_10),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_24, s.W_1, s.t_9, s.G, s.S_27),
+            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_24, s.W_1, s.t_9, s.G, s.S_25),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -783,20 +767,20 @@ class mse_bias0_causal0(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_21, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_19, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_21, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_19, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
-            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_9, s.t_22, s.S_23),
+            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_9, s.t_22, s.S_21),
         ]
 
     def jacobian__W_1(s):
@@ -1287,57 +1271,49 @@ class mse_bias0_causal1(Forward):
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_28, ONES, s.M_N_2),
-        ])
-
-    @leaf
-    def S_4(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_5(s):
+    def S_4(s):
         """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_5', [
+        return Compact('S_4', [
             net(1, 'nab,cb,bd->nadc', s.t_9, s.W_1, s.W_2),
         ])
 
     @leaf
-    def S_6(s):
+    def S_5(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_6', [
+        return Compact('S_5', [
             net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
+            net(1, 'nabc,bd,naec->naed', s.S, s.S_3, s.S_4),
+        ])
+
+    @leaf
+    def S_6(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_6', [
+            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nade,nadc->nabe', s.S_2, s.S_5, s.S_4),
+            net(2/(s.L*s.d_K*s.d_V), 'nabc,bd,naec->naed', s.S, s.S_3, s.S_4),
         ])
 
     @leaf
     def S_7(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_7', [
-            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nade,nadc->nabe', s.S_2, s.S_6, s.S_5),
-            net(2/(s.L*s.d_K*s.d_V), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
-        ])
-
-    @leaf
-    def S_8(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_8', [
+        return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
         ])
 
     @leaf
-    def S_9(s):
+    def S_8(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_9', [
+        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
             net(1, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_8),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
@@ -1350,299 +1326,291 @@ class mse_bias0_causal1(Forward):
         ])
 
     @leaf
-    def S_10(s):
+    def S_9(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_9, s.S_4, s.t_4, s.dA),
+        return Compact('S_9', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_3, s.S_8, s.S_3, s.t_4, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_11(s):
+    def S_10(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_11', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_9, s.S_4, s.t_4, s.dA),
+        return Compact('S_10', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_3, s.S_8, s.S_3, s.t_4, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_12(s):
+    def S_11(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_12', [
+        return Compact('S_11', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
             net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
+    def S_12(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_12', [
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
+        ])
+
+    @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_11, s.S_4),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_16', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadc->nabd', s.S_12, s.S_5),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_17', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_18(s):
+    def S_16(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_18', [
+        return Compact('S_16', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
             net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_19(s):
+    def S_17(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
+        return Compact('S_17', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_20(s):
+    def S_18(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
+        return Compact('S_18', [
             net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadc->nabd', s.S_18, s.S_5),
+            net(1, 'nabc,nadc->nabd', s.S_16, s.S_4),
+        ])
+
+    @leaf
+    def S_19(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_19', [
+            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1/math.sqrt(s.d_K), 'nabc,bd,naec->naed', s.S, s.S_3, s.S_4),
+        ])
+
+    @leaf
+    def S_20(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_20', [
+            net(1, 'nabc,cd->nabd', s.S_11, s.W_1),
         ])
 
     @leaf
     def S_21(s):
-        """A sum as a compact tensor (2 networks)."""
+        """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_21', [
-            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_3, s.S_4, s.S_5),
+            net(1, 'nabc,bd,ce->ndae', s.S, s.S_3, s.W_1),
         ])
 
     @leaf
     def S_22(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_22', [
-            net(1, 'nabc,cd->nabd', s.S_12, s.W_1),
+            net(1, 'nabc,cd,eb,fe->ndaf', s.S_8, s.S_3, s.S_13, s.W_V),
         ])
 
     @leaf
     def S_23(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_23', [
-            net(1, 'nabc,cd,be->ndae', s.S_3, s.S_13, s.W_1),
+            net(1, 'nabc,db->ncad', s.S, s.S_15),
         ])
 
     @leaf
     def S_24(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_24', [
-            net(1, 'nabc,cd,eb,fe->ndaf', s.S_9, s.S_13, s.S_15, s.W_V),
+            net(1, 'nabc,cd->nbad', s.S_16, s.W_1),
         ])
 
     @leaf
     def S_25(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_25', [
-            net(1, 'nabc,db->ncad', s.S, s.S_17),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_26', [
-            net(1, 'nabc,cd->nbad', s.S_18, s.W_1),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_27', [
-            net(1, 'nabc,db->ndca', s.S, s.S_4),
+            net(1, 'nabc,db->ndca', s.S, s.S_3),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_10, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_21, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_11, s.t_6, s.N_1),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,nai,nafg->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,ih,nai,naj,nafg,nkai->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_22, s.S_23),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,nah,niag->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_23),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,nai,nafg->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_20),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,gh,ih,nai,naj,nafg,nkai->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_20, s.S_21),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,nah,niag->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_21),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_22, s.S_24),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_22, s.S_22),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_14, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_11, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_11, s.S_23),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_14, s.t_10),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_23),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_7, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_10, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_9, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_23, s.N_1, s.dA, s.t_3, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,nbi,nbfg->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,ih,nbi,nbj,nbfg,nkbi->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_22, s.S_23),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,nbh,nibg->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_23),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,nbi,nbfg->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.t_22, s.S_20),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,gh,ih,nbi,nbj,nbfg,nkbi->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_20, s.S_21),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,nbh,nibg->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.t_22, s.S_21),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_23, s.N_1, s.dA, s.N_1, s.t_22, s.S_24),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_23, s.N_1, s.dA, s.N_1, s.t_22, s.S_22),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_14, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.t_11, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.t_11, s.S_23),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_14, s.t_10),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.W_1, s.t_9, s.G, s.S_23),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
             net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_24, s.t_22, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbc,cd,nbe,nfbc->af|ed', s.t_24, s.t_9, s.W_2, s.t_22, s.S_26),
-            net(1/s.n_batch, 'nab,nbc,cd,ed,nbe,nbf,ngbe,nhbc->ah|fg', s.t_24, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_23, s.S_26),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,nbe,nfbc->ad|ef', s.t_24, s.W_2, s.t_9, s.t_22, s.S_23),
+            net(1/s.n_batch, 'nab,nbc,cd,nbe,nfbc->af|ed', s.t_24, s.t_9, s.W_2, s.t_22, s.S_24),
+            net(1/s.n_batch, 'nab,nbc,cd,ed,nbe,nbf,ngbe,nhbc->ah|fg', s.t_24, s.t_9, s.W_2, s.W_2, s.t_9, s.t_22, s.S_21, s.S_24),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,nbe,nfbc->ad|ef', s.t_24, s.W_2, s.t_9, s.t_22, s.S_21),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_19, s.S_9, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_17, s.S_8, s.t_22, s.S_3),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_20, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_18, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_24, s.t_11, s.S_27),
+            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_24, s.t_11, s.S_25),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_20, s.t_10),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_18, s.t_10),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_24, s.W_1, s.t_9, s.G, s.S_27),
+            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_24, s.W_1, s.t_9, s.G, s.S_25),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -1672,20 +1640,20 @@ class mse_bias0_causal1(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_21, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_19, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_21, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_19, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
-            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_9, s.t_22, s.S_23),
+            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_9, s.t_22, s.S_21),
         ]
 
     def jacobian__W_1(s):
@@ -2211,41 +2179,33 @@ class ce_bias0_causal0(Forward):
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,bd,naec->naed', s.S, s.S_5, s.S_3),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
-        ])
-
-    @leaf
-    def S_8(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_34, ONES, s.M_N_2),
         ])
 
     @leaf
-    def S_9(s):
+    def S_8(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_9', [
+        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.d_V}),
             net(1, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_8),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
@@ -2258,299 +2218,291 @@ class ce_bias0_causal0(Forward):
         ])
 
     @leaf
-    def S_10(s):
+    def S_9(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_6, s.S_9, s.S_6, s.t_6, s.dA),
+        return Compact('S_9', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_11(s):
+    def S_10(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_11', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_6, s.S_9, s.S_6, s.t_6, s.dA),
+        return Compact('S_10', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_12(s):
+    def S_11(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_12', [
+        return Compact('S_11', [
             net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
+    def S_12(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_12', [
+            net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_11, s.S_3),
+        ])
+
+    @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadc->nabd', s.S_12, s.S_3),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_16', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_17', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_18(s):
+    def S_16(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_18', [
+        return Compact('S_16', [
             net(1/s.L, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_19(s):
+    def S_17(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
+        return Compact('S_17', [
             net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadc->nabd', s.S_18, s.S_3),
+            net(1, 'nabc,nadc->nabd', s.S_16, s.S_3),
         ])
 
     @leaf
-    def S_20(s):
+    def S_18(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
+        return Compact('S_18', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_21(s):
+    def S_19(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_21', [
+        return Compact('S_19', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
+            net(1/math.sqrt(s.d_K), 'nabc,bd,naec->naed', s.S, s.S_5, s.S_3),
+        ])
+
+    @leaf
+    def S_20(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_20', [
+            net(1, 'nabc,nadb->nacd', s.S_6, s.dA_2),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_21', [
+            net(1, 'nabc,dc->nabd', s.dA_2, s.W_2),
         ])
 
     @leaf
     def S_22(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_22', [
-            net(1, 'nabc,nadb->nacd', s.S_7, s.dA_2),
+            net(1, 'nabc,bd,ce->ndae', s.S, s.S_5, s.W_1),
         ])
 
     @leaf
     def S_23(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_23', [
-            net(1, 'nabc,dc->nabd', s.dA_2, s.W_2),
+            net(1, 'nabc,cd,eb,fe->ndaf', s.S_8, s.S_5, s.S_14, s.W_V),
         ])
 
     @leaf
     def S_24(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_24', [
-            net(1, 'nabc,cd,be->ndae', s.S_5, s.S_14, s.W_1),
+            net(1, 'nabc,db->ncad', s.S, s.S_15),
         ])
 
     @leaf
     def S_25(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_25', [
-            net(1, 'nabc,cd,eb,fe->ndaf', s.S_9, s.S_14, s.S_16, s.W_V),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_26', [
-            net(1, 'nabc,db->ncad', s.S, s.S_17),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_27', [
-            net(1, 'nabc,db->ndca', s.S, s.S_6),
+            net(1, 'nabc,db->ndca', s.S, s.S_5),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|kl', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.N_1, s.t_7, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|kl', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.N_1, s.t_7, s.S_20),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_10, s.N_1, s.t_7),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|lk', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|lk', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_20),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_24, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_11, s.t_8, s.N_1),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh,njah->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh,njah->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.t_11, s.t_25, s.S_21, s.S_22),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_15),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_25, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_25, s.S_23),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.N_2, s.S_23),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.t_11, s.N_2, s.S_21),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_14, s.S_26),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_14, s.S_24),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_26),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_24),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nhi,nbij,nbk,njl,nbhg->da|lk', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nhi,nbij,nbk,njl,nbhg->da|lk', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_20),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_10, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_9, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh,njbh->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh,njbh->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.t_11, s.t_25, s.S_21, s.S_22),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_15),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_26, s.N_1, s.dA, s.N_1, s.t_25, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_26, s.N_1, s.dA, s.N_1, s.t_25, s.S_23),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.N_2, s.S_23),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.t_11, s.N_2, s.S_21),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_26, s.N_1, s.dA, s.t_3, s.t_14, s.S_26),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_26, s.N_1, s.dA, s.t_3, s.t_14, s.S_24),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_26),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_24),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde,ngbe->ac|fg', s.t_27, s.S_19, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_17, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde,ngbe->ac|fg', s.t_27, s.S_17, s.t_5, s.t_11, s.t_25, s.S_21, s.S_22),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_20, s.S_9, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_18, s.S_8, s.t_25, s.S_5),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde->ac|fe', s.t_27, s.S_19, s.t_5, s.t_11, s.N_2, s.S_23),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde->ac|fe', s.t_27, s.S_17, s.t_5, s.t_11, s.N_2, s.S_21),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_27, s.t_14, s.S_27),
+            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_27, s.t_14, s.S_25),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_17, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_27, s.W_1, s.t_11, s.G, s.S_27),
+            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_27, s.W_1, s.t_11, s.G, s.S_25),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nae,naf,nade->bc|fe', s.N_2, s.t_11, s.W_2, s.t_5, s.t_11, s.N_2, s.S_23),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nae,naf,nade->bc|fe', s.N_2, s.t_11, s.W_2, s.t_5, s.t_11, s.N_2, s.S_21),
         ]
 
     def block__W_1__W_2__outer(s):
@@ -2574,20 +2526,20 @@ class ce_bias0_causal0(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_21, s.t_6, s.dA, s.N_1, s.t_7),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_19, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_21, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_19, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_25, free={'c': s.d_V}),
-            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_11, s.t_25, s.S_24),
+            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_11, s.t_25, s.S_22),
         ]
 
     def jacobian__W_1(s):
@@ -3113,41 +3065,33 @@ class ce_bias0_causal1(Forward):
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,bd,naec->naed', s.S, s.S_5, s.S_3),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
-        ])
-
-    @leaf
-    def S_8(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
             net(2/s.d_V, 'nab,bc,nac->nabc', s.t_34, ONES, s.M_N_2),
         ])
 
     @leaf
-    def S_9(s):
+    def S_8(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_9', [
+        return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.d_V}),
             net(1, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_8),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
@@ -3160,299 +3104,291 @@ class ce_bias0_causal1(Forward):
         ])
 
     @leaf
-    def S_10(s):
+    def S_9(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_6, s.S_9, s.S_6, s.t_6, s.dA),
+        return Compact('S_9', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_11(s):
+    def S_10(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_11', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_6, s.S_9, s.S_6, s.t_6, s.dA),
+        return Compact('S_10', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
     @leaf
-    def S_12(s):
+    def S_11(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_12', [
+        return Compact('S_11', [
             net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
+    def S_12(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_12', [
+            net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nadc->nabd', s.S_11, s.S_3),
+        ])
+
+    @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadc->nabd', s.S_12, s.S_3),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_15(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_16', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_17', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_18(s):
+    def S_16(s):
         """A sum as a compact tensor (3 networks)."""
-        return Compact('S_18', [
+        return Compact('S_16', [
             net(1/s.L, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
             net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
-    def S_19(s):
+    def S_17(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
+        return Compact('S_17', [
             net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nadc->nabd', s.S_18, s.S_3),
+            net(1, 'nabc,nadc->nabd', s.S_16, s.S_3),
         ])
 
     @leaf
-    def S_20(s):
+    def S_18(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
+        return Compact('S_18', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
             net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
-    def S_21(s):
+    def S_19(s):
         """A sum as a compact tensor (2 networks)."""
-        return Compact('S_21', [
+        return Compact('S_19', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'nabc,cd,naeb->naed', s.S_5, s.S_6, s.S_3),
+            net(1/math.sqrt(s.d_K), 'nabc,bd,naec->naed', s.S, s.S_5, s.S_3),
+        ])
+
+    @leaf
+    def S_20(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_20', [
+            net(1, 'nabc,nadb->nacd', s.S_6, s.dA_2),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A product several terms share as a compact tensor (1 network)."""
+        return Compact('S_21', [
+            net(1, 'nabc,dc->nabd', s.dA_2, s.W_2),
         ])
 
     @leaf
     def S_22(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_22', [
-            net(1, 'nabc,nadb->nacd', s.S_7, s.dA_2),
+            net(1, 'nabc,bd,ce->ndae', s.S, s.S_5, s.W_1),
         ])
 
     @leaf
     def S_23(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_23', [
-            net(1, 'nabc,dc->nabd', s.dA_2, s.W_2),
+            net(1, 'nabc,cd,eb,fe->ndaf', s.S_8, s.S_5, s.S_14, s.W_V),
         ])
 
     @leaf
     def S_24(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_24', [
-            net(1, 'nabc,cd,be->ndae', s.S_5, s.S_14, s.W_1),
+            net(1, 'nabc,db->ncad', s.S, s.S_15),
         ])
 
     @leaf
     def S_25(s):
         """A product several terms share as a compact tensor (1 network)."""
         return Compact('S_25', [
-            net(1, 'nabc,cd,eb,fe->ndaf', s.S_9, s.S_14, s.S_16, s.W_V),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_26', [
-            net(1, 'nabc,db->ncad', s.S, s.S_17),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A product several terms share as a compact tensor (1 network)."""
-        return Compact('S_27', [
-            net(1, 'nabc,db->ndca', s.S, s.S_6),
+            net(1, 'nabc,db->ndca', s.S, s.S_5),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|kl', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.N_1, s.t_7, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|kl', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.N_1, s.t_7, s.S_20),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_10, s.N_1, s.t_7),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|lk', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nhi,naij,nak,njl,nahg->bc|lk', s.N_1, s.t_2, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_20),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_24, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_11, s.t_8, s.N_1),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh,njah->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh,njah->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.t_11, s.t_25, s.S_21, s.S_22),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_15),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_25, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|gh', s.N_1, s.t_2, s.dA, s.N_1, s.t_25, s.S_23),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.N_2, s.S_23),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nah,nai,nagh->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.t_11, s.N_2, s.S_21),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_14, s.S_26),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag,nhaf->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.t_14, s.S_24),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_26),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,gh,nah,nai,ngaf->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_24),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nhi,nbij,nbk,njl,nbhg->da|lk', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nhi,nbij,nbk,njl,nbhg->da|lk', s.t_26, s.N_1, s.dA, s.t_3, s.S_4, s.t_5, s.t_6, s.dA, s.t_8, s.N_1, s.S_20),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_10, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_9, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh,njbh->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh,njbh->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.t_11, s.t_25, s.S_21, s.S_22),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_15),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_26, s.N_1, s.dA, s.N_1, s.t_25, s.S_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|gh', s.t_26, s.N_1, s.dA, s.N_1, s.t_25, s.S_23),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.t_11, s.N_2, s.S_23),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbh,nbi,nbgh->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.t_11, s.N_2, s.S_21),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_26, s.N_1, s.dA, s.t_3, s.t_14, s.S_26),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg,nhbf->da|hg', s.t_26, s.N_1, s.dA, s.t_3, s.t_14, s.S_24),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_13, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_26),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,gh,nbh,nbi,ngbf->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.W_1, s.t_11, s.G, s.S_24),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_25),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde,ngbe->ac|fg', s.t_27, s.S_19, s.t_5, s.t_11, s.t_25, s.S_23, s.S_24),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_17, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde,ngbe->ac|fg', s.t_27, s.S_17, s.t_5, s.t_11, s.t_25, s.S_21, s.S_22),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_20, s.S_9, s.t_25, s.S_14),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_18, s.S_8, s.t_25, s.S_5),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde->ac|fe', s.t_27, s.S_19, s.t_5, s.t_11, s.N_2, s.S_23),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbe,nbf,nbde->ac|fe', s.t_27, s.S_17, s.t_5, s.t_11, s.N_2, s.S_21),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_27, s.t_14, s.S_27),
+            net(1/s.n_batch, 'nab,nbc,ndeb->ad|ec', s.t_27, s.t_14, s.S_25),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_19, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_17, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_27, s.W_1, s.t_11, s.G, s.S_27),
+            net(1/s.n_batch, 'nab,cd,nbd,nbe,nfcb->af|de', s.t_27, s.W_1, s.t_11, s.G, s.S_25),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nae,naf,nade->bc|fe', s.N_2, s.t_11, s.W_2, s.t_5, s.t_11, s.N_2, s.S_23),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nae,naf,nade->bc|fe', s.N_2, s.t_11, s.W_2, s.t_5, s.t_11, s.N_2, s.S_21),
         ]
 
     def block__W_1__W_2__outer(s):
@@ -3476,20 +3412,20 @@ class ce_bias0_causal1(Forward):
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_21, s.t_6, s.dA, s.N_1, s.t_7),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_19, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_21, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_19, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
             net(1, 'nab->n|ac|bc', s.t_25, free={'c': s.d_V}),
-            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_11, s.t_25, s.S_24),
+            net(1, 'ab,nca,ncd,neca->n|cb|de', s.W_2, s.t_11, s.t_25, s.S_22),
         ]
 
     def jacobian__W_1(s):
@@ -3608,4 +3544,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "272cc07982c6bb3066f26a25"
+CHECKSUM = "9db458928195664e536bddb4"

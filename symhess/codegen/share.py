@@ -25,23 +25,31 @@ it: a component as above whose operands are compacts and parameter leaves that c
 output atom (data leaves such as X stay out: they carry the sums over tokens), with at least
 one compact; the runtime again materialises it or inlines it, whichever plans fewer flops.
 
-A shared product can also sit inside a larger component of a block's term that
-``_components`` does not name: the modern block's residual around the MLP puts
-(I + J)ᵀ(I + J) between attention and the loss, and its JᵀJ term holds the chain
-S_3 (S_5 W_2)(W_2ᵀ S_6ᵀ) S_7 whole, where W_2 appears twice (a component of repeated leaves,
-left alone above), while its J and Jᵀ terms made S_3 S_5 W_2 and S_7 S_6 W_2 shared
-products.  ``_sub_products`` replaces every occurrence of a shared product's operands in a
-block's, Jacobian's or compact's term (the same operands, their atoms mapped one to one, its
-summed atoms carried by nothing else in the term) by that compact, larger products first:
-JᵀJ then contracts the two per-token d × d compacts (B L d³) instead of the chain with two
-d × d_ff factors per token (≈ 5 B L d² d_ff where d_ff = 4d), and the compact
-(I + S_3 J)(I + Jᵀ S_7) of the attention weights' outer blocks multiplies the shared S_3 J by
-its second factor.  A shared product's own terms use only products of fewer operands (no
-product is defined through itself), and the compacts are reordered so that each follows
-those it holds.  Rewriting keeps the compacts acyclic: a term that holds a product's
+Before any of this, a compact whose terms are another's with its axes permuted is replaced by
+that one, its holders' atoms permuted (``_twins``): the modern block lowers the SwiGLU's
+per-token Jacobian S (d × d_ff) and Sᵀ, and the RMSNorm's N and Nᵀ, as separate compacts, so
+N S W_2 and W_2ᵀ Sᵀ Nᵀ would not be seen as one product read transposed, nor formed once.
+Two terms match when their coefficients, operands and atom patterns agree with the axes
+renamed by the permutation (an identity's second axis read as its first, ones and
+identities symmetric); a term with two operands that sort alike is never matched.
+
+A shared product can also sit inside a larger component of a term that ``_components``
+does not name.  The modern block's residual around the MLP puts (I + J)ᵀ(I + J) between
+attention and the loss: its J and Jᵀ terms share the product P = N S W_2 (N the RMSNorm's
+per-token Jacobian, S the SwiGLU's, d × d_ff), while its JᵀJ term holds the chain
+N S W_2 W_2ᵀ Sᵀ Nᵀ whole (W_2 twice: a component of repeated leaves, left alone above).
+``_sub_products`` replaces every occurrence of a shared product's operands in a block's,
+Jacobian's or compact's term (the same operands, their atoms mapped one to one, its summed
+atoms carried by nothing else in the term) by that compact, larger products first: JᵀJ then
+contracts P with itself (B L d³) instead of the chain with two d × d_ff factors per token
+(≈ 5 B L d² d_ff where d_ff = 4d), and the compact (I + P)(I + Pᵀ) of the attention weights'
+outer blocks multiplies the shared P by its second factor.  No compact uses itself, only
+products of two or more operands are used, and the compacts are reordered so that each
+follows those it holds; rewriting keeps them acyclic, since a term that holds a product's
 operands already depends on everything the product does.
 
-Terminates: one pass over the compacts' terms and one over the blocks' and Jacobians'; each
+Terminates: one pass over the compacts for twins (each removed once); one pass over the
+compacts' terms and one over the blocks' and Jacobians'; each
 rewrite removes ≥ 2 operands from a term and adds one, and the new compacts' terms are not
 visited again; the sub-product passes repeat only after a rewrite, and each rewrite
 lowers the number of operands over all terms (a product of two or more becomes one).
@@ -77,6 +85,7 @@ def share(prog):
     compacts held by two or more of them is one, then every term that holds a shared
     product's operands inside a larger product so that it holds the product (module
     docstring); returns how many products were made."""
+    _twins(prog)
     holders = [prog.compacts[node] for node in prog.compact_order]
     found = _found(holders, lambda t: _components(t))
     made = 0
@@ -96,6 +105,81 @@ def share(prog):
     _named_inside(prog, holders)
     prog.compact_order = _dependencies_first(prog)
     return made
+
+
+def _twins(prog):
+    """Replace every compact whose terms equal an earlier compact's with its axes permuted by
+    that compact (its holders' operands read it with their atoms permuted) and drop it."""
+    seen = {}
+    terms_of = list(prog.blocks.values()) + list(prog.jacobians.values()) + \
+        [prog.compacts[n] for n in prog.compact_order]
+    for node in list(prog.compact_order):
+        terms = prog.compacts[node]
+        k = len(terms[0].groups[0])
+        holders = [op for ts in terms_of for t in ts for op in t.operands
+                   if op.kind == "compact" and op.ref == node]
+        twin = None
+        if all(set(op.cols) <= {1} for op in holders):
+            for perm in itertools.permutations(range(k)):
+                twin = seen.get(_signature(terms, perm, prog.sizes))
+                if twin is not None:
+                    break
+        if twin is None:
+            own = _signature(terms, tuple(range(k)), prog.sizes)
+            if own is not None:
+                seen.setdefault(own, node)
+            continue
+        other, axis = twin, {p: i for i, p in enumerate(perm)}   # node's axis p is other's i
+        for ts in terms_of:
+            for j, t in enumerate(ts):
+                if any(op.kind == "compact" and op.ref == node for op in t.operands):
+                    ts[j] = replace(t, operands=[_read_as(op, other, axis) if op.kind == "compact"
+                                                 and op.ref == node else op for op in t.operands])
+        prog.compact_order.remove(node)
+        del prog.compacts[node]
+
+
+def _read_as(op, other, axis):
+    """The operand ``op`` of a twin read from ``other``: other's axis axis[i] is op's i-th."""
+    rows = [None] * len(op.rows)
+    for i, a in enumerate(op.rows):
+        rows[axis[i]] = a
+    return replace(op, ref=other, rows=tuple(rows))
+
+
+def _signature(terms, perm, sizes):
+    """The terms of a compact with its axes taken in the order ``perm`` (axis perm[i] named
+    i), each term's operands sorted and its other atoms named by first appearance; None
+    when a term holds two operands that sort alike (their order, hence the names, would be
+    ambiguous)."""
+    out = []
+    for t in terms:
+        axes = t.groups[0]
+        name = {axes[p]: ("axis", i) for i, p in enumerate(perm)}
+        same = {}                       # an identity's axes: the others read the first one
+        for op in t.operands:
+            if op.kind == "eye" and all(a in name for a in op.rows):
+                low, high = sorted(op.rows, key=name.get)
+                same[high] = same.get(low, low)
+
+        def atoms(op):                  # ones and identities are symmetric in their atoms
+            a = op.rows + (op.cols if op.kind == "leaf" else ())
+            if op.kind in ("ones", "eye"):
+                return tuple(sorted(a, key=lambda x: (name.get(x, ("sum",)), str(sizes[x]))))
+            return tuple(same.get(x, x) for x in a)
+
+        def key(op):
+            return (op.kind, str(getattr(op.ref, "key", op.ref)), len(op.rows),
+                    tuple(op.cols) if op.kind != "leaf" else (),
+                    tuple((name.get(a, ("sum",)), str(sizes[a])) for a in atoms(op)))
+        ops = sorted(t.operands, key=key)
+        if len({key(op) for op in ops}) < len(ops):
+            return None
+        inner = {}
+        sig = tuple(key(op)[:4] + (tuple((name.get(a) or ("sum", inner.setdefault(a, len(inner))),
+                                          str(sizes[a])) for a in atoms(op)),) for op in ops)
+        out.append((str(t.coef), tuple(str(sizes[axes[p]]) for p in perm), sig))
+    return tuple(sorted(out))
 
 
 def _dependencies_first(prog):

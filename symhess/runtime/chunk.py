@@ -101,6 +101,9 @@ def chunked(state, sums, groups):
         yield key, n
     if not plans:
         return
+    # networks that hold the same compacts one after another: a slice's compacts are released
+    # after their last holder, so fewer of them are alive at once
+    plans.sort(key=lambda p: sorted(c.name for c in p[2][0]))
     big = [c for _, _, (cs, _) in plans for c in cs]
     s0, s1 = big[0].shape[0], big[0].shape[1]
     per_seq = max(c.entries // s0 for c in big)
