@@ -79,6 +79,11 @@ class SharedProduct:
         return f"<shared product {self.index}>"
 
 
+def _atoms(op):
+    """The atoms an operand carries: a leaf's rows and columns, a compact's axes."""
+    return op.rows + (op.cols if op.kind == "leaf" else ())
+
+
 def share(prog):
     """Rewrite the terms of ``prog``'s compacts so that each product of leaves held by two or
     more of them is one compact, then those of its blocks and Jacobians so that each chain of
@@ -163,7 +168,7 @@ def _signature(terms, perm, sizes):
                 same[high] = same.get(low, low)
 
         def atoms(op):                  # ones and identities are symmetric in their atoms
-            a = op.rows + (op.cols if op.kind == "leaf" else ())
+            a = _atoms(op)
             if op.kind in ("ones", "eye"):
                 return tuple(sorted(a, key=lambda x: (name.get(x, ("sum",)), str(sizes[x]))))
             return tuple(same.get(x, x) for x in a)
@@ -242,26 +247,23 @@ def _occurrence(t, d):
     product that term d defines, or None: d's operands matched one to one with t's operands of
     the same kind, expression and row count, their atoms mapped one to one, and every atom d
     sums over carried by no other operand of t nor by t's output."""
-    def atoms(op):
-        return op.rows + (op.cols if op.kind == "leaf" else ())
-
     def same(a, b):
         return (a.kind == b.kind and a.ref.key == b.ref.key and len(a.rows) == len(b.rows)
                 and (a.kind == "leaf" or set(a.cols) <= {1}))
-    count = Counter(a for op in t.operands for a in atoms(op))
+    count = Counter(a for op in t.operands for a in _atoms(op))
     out = {a for g in t.groups for a in g}
-    summed = {a for op in d.operands for a in atoms(op)} - set(d.groups[0])
+    summed = {a for op in d.operands for a in _atoms(op)} - set(d.groups[0])
     options = [[k for k, op in enumerate(t.operands) if same(op, p)] for p in d.operands]
     for picked in itertools.product(*options):
         if len(set(picked)) < len(picked):
             continue
         image = {}
         if not all(image.setdefault(a, b) == b
-                   for p, k in zip(d.operands, picked) for a, b in zip(atoms(p), atoms(t.operands[k]))):
+                   for p, k in zip(d.operands, picked) for a, b in zip(_atoms(p), _atoms(t.operands[k]))):
             continue
         if len(set(image.values())) < len(image):
             continue
-        inside = Counter(b for k in picked for b in atoms(t.operands[k]))
+        inside = Counter(b for k in picked for b in _atoms(t.operands[k]))
         if all(image[a] not in out and inside[image[a]] == count[image[a]] for a in summed):
             return set(picked), image
     return None
@@ -312,11 +314,10 @@ def _components(t, link=lambda op: op.kind == "leaf"):
     """(positions, {atom: pattern name}, external atoms, pattern) of each shareable component
     of term t's operands that ``link`` admits (default: its leaves), the external atoms in
     the order of t's output (the first holder's order becomes the shared compact's axes)."""
-    count = Counter(a for op in t.operands for a in op.rows + (op.cols if op.kind == "leaf" else ()))
+    count = Counter(a for op in t.operands for a in _atoms(op))
     out_atoms = [a for g in t.groups for a in g]
     leaf = [k for k, op in enumerate(t.operands) if link(op)]
-    atoms = {k: t.operands[k].rows + (t.operands[k].cols if t.operands[k].kind == "leaf" else ())
-             for k in leaf}
+    atoms = {k: _atoms(t.operands[k]) for k in leaf}
     in_leaves = Counter(a for k in leaf for a in atoms[k])
     internal = {a for a, n in in_leaves.items() if n == count[a] and a not in out_atoms}
     result = []

@@ -29,7 +29,7 @@ While the pass runs, each compact's ``users`` counts the networks of the pass (a
 compacts they hold) that hold it (``_priced_once``): a compact formed for one of them is read
 by the others, so each weighs a share of its formation when choosing to form or inline it
 (``network._keep``); priced whole by each holder, a product that several networks share (the
-modern block's S_3 J, held by the outer blocks of every attention weight) was inlined into
+modern block's N S W_2, held by the outer blocks of every attention weight) was inlined into
 each of them.
 
 Cost: the flops of forming each compact once (as when it fits) plus each network's per-chunk
